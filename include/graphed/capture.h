@@ -1,0 +1,125 @@
+#pragma once
+
+/// \file capture.h
+/// graphed::capture: record a function once as a CUDA graph and replay it on
+/// every call. The inference path: warm-up on graphed's capture stream,
+/// capture, then each call checks its inputs against the captured signature,
+/// copies new input tensors into the static buffers and replays.
+
+#include "graphed/graph.h"
+#include "graphed/signature.h"
+#include "graphed/static_io.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace graphed {
+
+/// A function to capture: takes the inputs (one value per input name) and
+/// returns its outputs as one value (a tensor, or tuples, lists and dicts of
+/// tensors and constants).
+using CapturableFunction = std::function<c10::IValue(const std::vector<c10::IValue>& inputs)>;
+
+/// A named value that must read the same on every call as at capture, e.g. a
+/// module's training flag. Guards catch state the inputs do not show.
+struct CaptureGuard {
+  /// Shown in messages, e.g. "module.training".
+  std::string name;
+  /// Reads the current value.
+  std::function<c10::IValue()> read;
+};
+
+/// Options of capture().
+struct CaptureOptions {
+  /// Eager runs before capture, on the capture stream (>= 1). They initialise
+  /// lazy state (cuBLAS handles and workspaces, autotuning) outside the graph.
+  int warmup_iters = 3;
+  /// Pool to capture into; a private pool when unset. See new_pool().
+  std::optional<PoolId> pool;
+  /// See CaptureErrorMode.
+  CaptureErrorMode error_mode = CaptureErrorMode::kGlobal;
+  /// Return clones of the outputs, valid beyond the next call, instead of the
+  /// static output tensors themselves.
+  bool clone_outputs = false;
+  /// Names of the inputs in messages; "args[0]", "args[1]"... when empty.
+  std::vector<std::string> input_names;
+  /// Tensors the function may modify (e.g. module buffers): restored after
+  /// warm-up and capture, so that capturing changes nothing.
+  std::vector<at::Tensor> state;
+  /// Values checked on every call; see CaptureGuard.
+  std::vector<CaptureGuard> guards;
+  /// What is captured, for messages, e.g. "function `forward`".
+  std::string description = "the function";
+};
+
+/// Counters of a captured function.
+struct CapturedFunctionStats {
+  /// Calls that replayed the graph.
+  int64_t replays = 0;
+  /// Input tensors copied into static buffers, over all calls.
+  int64_t input_copies = 0;
+  /// Wall time of the warm-up runs, in milliseconds.
+  double warmup_ms = 0.0;
+};
+
+/// A function captured as a CUDA graph. Calling it replays the graph on the
+/// current stream. Outputs are the graph's static tensors, overwritten by the
+/// next call, unless CaptureOptions::clone_outputs is set (Invariant 3).
+class CapturedFunction {
+ public:
+  /// Checks `inputs` against the signature, refreshes the static inputs,
+  /// replays and returns the outputs. Throws InputMismatchError listing every
+  /// difference when `inputs` do not match.
+  c10::IValue operator()(const std::vector<c10::IValue>& inputs);
+
+  /// The captured graph.
+  const Graph& graph() const { return graph_; }
+  /// What the inputs must look like.
+  const Signature& signature() const { return signature_; }
+  /// The static input buffers, in signature order. Passing them as inputs
+  /// (after writing into them) skips the copies.
+  const std::vector<at::Tensor>& static_inputs() const { return inputs_.buffers(); }
+  /// The static output tensors, as the last replay left them.
+  c10::IValue static_outputs() const { return outputs_.materialize(/*clone=*/false); }
+  /// Indices (in signature order) of inputs the function writes in place.
+  const std::vector<size_t>& mutated_inputs() const { return inputs_.mutated(); }
+  /// Call counters and warm-up time.
+  const CapturedFunctionStats& stats() const { return stats_; }
+  /// The options it was captured with.
+  const CaptureOptions& options() const { return options_; }
+
+ private:
+  friend CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> sample,
+                                  CaptureOptions options);
+  CapturedFunction() = default;
+  [[noreturn]] void raise_mismatch(const std::vector<c10::IValue>& inputs) const;
+  std::vector<c10::IValue> guarded_inputs(const std::vector<c10::IValue>& inputs) const;
+
+  // Kept alive because the graph reads the memory the function owns (a
+  // module's parameters).
+  CapturableFunction function_;
+  CaptureOptions options_;
+  Signature signature_;
+  StaticInputs inputs_;
+  StaticOutputs outputs_;
+  Graph graph_;
+  CapturedFunctionStats stats_;
+  std::vector<at::Tensor> scratch_;
+};
+
+/// Warms `function` up on `sample`, captures it and returns the captured
+/// function. Sample tensors must be CUDA tensors on one device; non-tensor
+/// values become part of the signature. Runs without autograd (inference).
+/// Restores CaptureOptions::state and the random generators afterwards, on
+/// success and on failure. Throws CaptureError (with the operation that broke
+/// capture and the fix) when the function cannot be captured.
+CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> sample,
+                         CaptureOptions options = {});
+
+}  // namespace graphed

@@ -1,0 +1,17 @@
+#pragma once
+
+/// \file graphed.h
+/// Everything graphed offers LibTorch programs. Link the `graphed::graphed`
+/// CMake target (find_package(graphed)) and include this header.
+
+#include "graphed/capture.h"
+#include "graphed/capture_blockers.h"
+#include "graphed/capture_watcher.h"
+#include "graphed/check.h"
+#include "graphed/cuda_handles.h"
+#include "graphed/graph.h"
+#include "graphed/signature.h"
+#include "graphed/source_location.h"
+#include "graphed/state_snapshot.h"
+#include "graphed/static_io.h"
+#include "graphed/version.h"

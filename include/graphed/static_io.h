@@ -1,0 +1,96 @@
+#pragma once
+
+/// \file static_io.h
+/// The fixed memory a graph reads from and writes to. A graph replays with the
+/// addresses it was captured with, so inputs live in static buffers that each
+/// call refreshes (Invariant 2 in DESIGN.md: a replay computes on the current
+/// input values), and outputs are the tensors the capture produced.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <functional>
+#include <vector>
+
+namespace graphed {
+
+/// Calls `visit` on every tensor in `value`, depth-first; dict entries in
+/// insertion order (the order Signature numbers tensors in).
+void for_each_tensor(const c10::IValue& value, const std::function<void(const at::Tensor&)>& visit);
+
+/// A copy of `value` with every container rebuilt and every tensor replaced by
+/// `replace(tensor)`, in the same order as for_each_tensor.
+c10::IValue map_tensors(const c10::IValue& value,
+                        const std::function<at::Tensor(const at::Tensor&)>& replace);
+
+/// The tensors of `value`, in for_each_tensor order.
+std::vector<at::Tensor> flatten_tensors(const c10::IValue& value);
+
+/// Static input buffers: one per tensor of the sample inputs.
+///
+/// Note [Static input buffers]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// The buffers are copies of the sample tensors, never the samples themselves:
+/// refreshing a buffer must not overwrite a tensor the caller still owns. A
+/// call that passes a buffer itself (see buffers()) skips its copy, so a
+/// caller that writes inputs in place pays nothing. If the function writes to
+/// an input (an in-place op on an argument), warm-up sees the buffer's version
+/// counter move; every replay then copies that buffer back into the caller's
+/// tensor, as eager execution would have modified it.
+class StaticInputs {
+ public:
+  /// No buffers.
+  StaticInputs() = default;
+  /// Allocates a buffer for each tensor of `sample` (same sizes, dtype,
+  /// device and memory format) holding the sample's values.
+  explicit StaticInputs(const std::vector<c10::IValue>& sample);
+
+  /// The sample with each tensor replaced by its buffer: what the captured
+  /// function is called with during warm-up and capture.
+  const std::vector<c10::IValue>& tree() const { return tree_; }
+  /// The buffers, in signature order.
+  const std::vector<at::Tensor>& buffers() const { return buffers_; }
+
+  /// Copies each of `tensors` into its buffer, skipping tensors that are the
+  /// buffer itself; enqueued on the current stream. Returns how many it copied.
+  size_t load(const std::vector<at::Tensor>& tensors);
+
+  /// Starts watching the buffers for writes by the function.
+  void start_mutation_watch();
+  /// Marks the buffers written since start_mutation_watch() as mutated inputs.
+  void finish_mutation_watch();
+  /// Indices of the buffers the function writes.
+  const std::vector<size_t>& mutated() const { return mutated_; }
+  /// Copies each mutated buffer back into the caller's tensor (unless the
+  /// caller passed the buffer itself); enqueued on the current stream.
+  void store_back(const std::vector<at::Tensor>& tensors) const;
+
+ private:
+  std::vector<c10::IValue> tree_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<int64_t> versions_;
+  std::vector<size_t> mutated_;
+};
+
+/// The outputs of a capture: the tensors the graph writes on every replay.
+/// Their values are valid until the next replay of the same graph
+/// (Invariant 3); materialize(true) returns clones that stay valid.
+class StaticOutputs {
+ public:
+  /// No outputs.
+  StaticOutputs() = default;
+  /// Takes the value the captured function returned during capture.
+  explicit StaticOutputs(c10::IValue captured);
+
+  /// The outputs as a fresh value tree: the static tensors themselves, or
+  /// clones of them when `clone` is true.
+  c10::IValue materialize(bool clone) const;
+  /// The static output tensors, in for_each_tensor order.
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+
+ private:
+  c10::IValue captured_;
+  std::vector<at::Tensor> tensors_;
+};
+
+}  // namespace graphed

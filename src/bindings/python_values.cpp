@@ -1,0 +1,265 @@
+#include "python_values.h"
+
+#include <torch/csrc/Device.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <frameobject.h>
+
+#include <memory>
+
+namespace graphed::python {
+namespace {
+
+// Holds a Python object inside an IValue. Takes the GIL to release it,
+// since IValues are destroyed wherever their last owner is.
+class HeldPythonObject final : public c10::ivalue::PyObjectHolder {
+ public:
+  explicit HeldPythonObject(py::handle object) : object_(object.ptr()) { Py_INCREF(object_); }
+  ~HeldPythonObject() override {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(object_);
+    }
+  }
+  PyObject* getPyObject() override { return object_; }
+  c10::InferredType tryToInferType() override {
+    return c10::InferredType(std::string("an opaque Python object"));
+  }
+  c10::IValue toIValue(const c10::TypePtr& /*type*/, std::optional<int32_t> /*n*/) override {
+    TORCH_CHECK(false, "graphed cannot convert an opaque Python object to a typed value.");
+  }
+  std::string toStr() override {
+    py::gil_scoped_acquire gil;
+    return py::repr(object_).cast<std::string>();
+  }
+  std::vector<at::Tensor> extractTensors() override { return {}; }
+
+ private:
+  PyObject* object_;
+};
+
+// A Python object owned from C++ code that may run without the GIL.
+std::shared_ptr<py::object> share(py::object object) {
+  return std::shared_ptr<py::object>(new py::object(std::move(object)), [](py::object* held) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete held;
+    } else {
+      (void)held->release();  // The interpreter is gone; leak rather than crash.
+      delete held;
+    }
+  });
+}
+
+c10::TypePtr dict_key_type(const py::dict& dict) {
+  for (const auto& item : dict) {
+    if (!PyUnicode_Check(item.first.ptr())) {
+      return c10::AnyType::get();
+    }
+  }
+  return c10::StringType::get();
+}
+
+std::vector<SourceFrame> frames_from_traceback(py::handle traceback,
+                                               const std::vector<std::string>& roots);
+
+std::vector<std::string>& library_roots() {
+  static std::vector<std::string> roots;
+  return roots;
+}
+
+bool is_library_file(const std::string& file, const std::vector<std::string>& roots) {
+  if (file.empty() || file.front() == '<') {
+    return true;  // <frozen ...>, <string>: not a place a user can edit.
+  }
+  for (const std::string& root : roots) {
+    if (file.compare(0, root.size(), root) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+SourceFrame frame_of(PyFrameObject* frame, const std::vector<std::string>& roots) {
+  SourceFrame result;
+  PyCodeObject* code = PyFrame_GetCode(frame);
+  result.file = py::str(code->co_filename).cast<std::string>();
+  result.function = py::str(code->co_name).cast<std::string>();
+  Py_DECREF(code);
+  result.line = PyFrame_GetLineNumber(frame);
+  result.is_user_code = !is_library_file(result.file, roots);
+  return result;
+}
+
+std::vector<SourceFrame> frames_from_traceback(py::handle traceback,
+                                               const std::vector<std::string>& roots) {
+  std::vector<SourceFrame> frames;
+  for (py::handle tb = traceback; tb && !tb.is_none(); tb = tb.attr("tb_next")) {
+    auto* frame = reinterpret_cast<PyFrameObject*>(tb.attr("tb_frame").ptr());
+    SourceFrame source = frame_of(frame, roots);
+    source.line = tb.attr("tb_lineno").cast<int>();
+    frames.push_back(std::move(source));
+  }
+  std::reverse(frames.begin(), frames.end());  // innermost first
+  return frames;
+}
+
+class PythonLocator final : public SourceLocator {
+ public:
+  explicit PythonLocator(std::vector<std::string> roots) : roots_(std::move(roots)) {}
+
+  std::vector<SourceFrame> current_stack() const override {
+    std::vector<SourceFrame> frames;
+    if (!Py_IsInitialized()) {
+      return frames;
+    }
+    py::gil_scoped_acquire gil;
+    PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+    Py_XINCREF(frame);
+    for (int depth = 0; frame != nullptr && depth < kMaxDepth; ++depth) {
+      frames.push_back(frame_of(frame, roots_));
+      PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+      Py_DECREF(frame);
+      frame = back;
+    }
+    Py_XDECREF(frame);
+    return frames;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 64;
+  std::vector<std::string> roots_;
+};
+
+}  // namespace
+
+c10::IValue to_ivalue(py::handle object) {
+  PyObject* raw = object.ptr();
+  if (THPVariable_Check(raw)) {
+    return THPVariable_Unpack(raw);
+  }
+  if (raw == Py_None) {
+    return c10::IValue();
+  }
+  if (PyBool_Check(raw)) {
+    return raw == Py_True;
+  }
+  if (PyLong_CheckExact(raw)) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(raw, &overflow);
+    if (overflow == 0) {
+      return static_cast<int64_t>(value);
+    }
+  } else if (PyFloat_CheckExact(raw)) {
+    return PyFloat_AS_DOUBLE(raw);
+  } else if (PyUnicode_CheckExact(raw)) {
+    return object.cast<std::string>();
+  } else if (THPDevice_Check(raw)) {
+    return reinterpret_cast<THPDevice*>(raw)->device;
+  } else if (PyTuple_CheckExact(raw)) {
+    std::vector<c10::IValue> elements;
+    elements.reserve(PyTuple_GET_SIZE(raw));
+    for (py::handle element : py::reinterpret_borrow<py::tuple>(object)) {
+      elements.push_back(to_ivalue(element));
+    }
+    return c10::ivalue::Tuple::create(std::move(elements));
+  } else if (PyList_CheckExact(raw)) {
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.reserve(PyList_GET_SIZE(raw));
+    for (py::handle element : py::reinterpret_borrow<py::list>(object)) {
+      list.push_back(to_ivalue(element));
+    }
+    return list;
+  } else if (PyDict_CheckExact(raw)) {
+    const auto dict = py::reinterpret_borrow<py::dict>(object);
+    c10::impl::GenericDict result(dict_key_type(dict), c10::AnyType::get());
+    for (const auto& item : dict) {
+      result.insert(to_ivalue(item.first), to_ivalue(item.second));
+    }
+    return result;
+  }
+  c10::intrusive_ptr<c10::ivalue::PyObjectHolder> held =
+      c10::make_intrusive<HeldPythonObject>(object);
+  return c10::IValue(std::move(held));
+}
+
+py::object to_python(const c10::IValue& value) {
+  if (value.isTensor()) {
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(value.toTensor()));
+  }
+  if (value.isNone()) {
+    return py::none();
+  }
+  if (value.isBool()) {
+    return py::bool_(value.toBool());
+  }
+  if (value.isInt()) {
+    return py::int_(value.toInt());
+  }
+  if (value.isDouble()) {
+    return py::float_(value.toDouble());
+  }
+  if (value.isString()) {
+    return py::str(value.toStringRef());
+  }
+  if (value.isDevice()) {
+    return py::reinterpret_steal<py::object>(THPDevice_New(value.toDevice()));
+  }
+  if (value.isTuple()) {
+    const auto& elements = value.toTupleRef().elements();
+    py::tuple tuple(elements.size());
+    for (size_t i = 0; i < elements.size(); ++i) {
+      tuple[i] = to_python(elements[i]);
+    }
+    return std::move(tuple);
+  }
+  if (value.isList()) {
+    py::list list;
+    for (const c10::IValue& element : value.toListRef()) {
+      list.append(to_python(element));
+    }
+    return std::move(list);
+  }
+  if (value.isGenericDict()) {
+    py::dict dict;
+    for (const auto& entry : value.toGenericDict()) {
+      dict[to_python(entry.key())] = to_python(entry.value());
+    }
+    return std::move(dict);
+  }
+  if (value.isPyObject()) {
+    return py::reinterpret_borrow<py::object>(value.toPyObjectHolder()->getPyObject());
+  }
+  TORCH_CHECK(false, "graphed cannot give Python a value of kind ", value.tagKind());
+}
+
+CapturableFunction wrap_call(py::object function) {
+  std::shared_ptr<py::object> held = share(std::move(function));
+  return [held](const std::vector<c10::IValue>& inputs) -> c10::IValue {
+    py::gil_scoped_acquire gil;
+    try {
+      const py::object args = to_python(inputs.at(0));
+      const py::object kwargs = to_python(inputs.at(1));
+      const py::object result = (*held)(*args, **kwargs);
+      return to_ivalue(result);
+    } catch (py::error_already_set& error) {
+      note_exception_stack(frames_from_traceback(error.trace(), library_roots()));
+      throw;
+    }
+  };
+}
+
+CaptureGuard wrap_guard(std::string name, py::object read) {
+  std::shared_ptr<py::object> held = share(std::move(read));
+  return CaptureGuard{std::move(name), [held]() -> c10::IValue {
+                        py::gil_scoped_acquire gil;
+                        return to_ivalue((*held)());
+                      }};
+}
+
+void install_python_locator(std::vector<std::string> roots) {
+  library_roots() = roots;
+  set_source_locator(std::make_shared<PythonLocator>(std::move(roots)));
+}
+
+}  // namespace graphed::python

@@ -1,0 +1,40 @@
+#pragma once
+
+// Conversion between Python objects and the core's values: nested tuples,
+// lists and dicts of tensors and constants become c10::IValue trees, Python
+// callables become core functions, and Python stacks become SourceFrames.
+// Conversion only: no decisions are made here.
+
+#include "graphed/capture.h"
+#include "graphed/source_location.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+#include <vector>
+
+namespace graphed::python {
+
+namespace py = pybind11;
+
+// A Python value as an IValue: tensors, None, bool, int, float, str and
+// torch.device map to IValue kinds; exact tuples, lists and dicts become
+// containers; any other object is held opaquely and compared by identity.
+c10::IValue to_ivalue(py::handle object);
+
+// The inverse of to_ivalue.
+py::object to_python(const c10::IValue& value);
+
+// A core function that calls `function(*inputs[0], **inputs[1])` with the GIL
+// held. When Python raises, it records the traceback's frames
+// (note_exception_stack) and lets the Python exception propagate unchanged.
+CapturableFunction wrap_call(py::object function);
+
+// A core guard reading `read()` with the GIL held.
+CaptureGuard wrap_guard(std::string name, py::object read);
+
+// Installs a SourceLocator that walks the Python stack; frames in files under
+// any of `library_roots` count as library code, the rest as user code.
+void install_python_locator(std::vector<std::string> library_roots);
+
+}  // namespace graphed::python

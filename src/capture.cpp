@@ -1,0 +1,189 @@
+#include "graphed/capture.h"
+
+#include "graphed/check.h"
+#include "graphed/state_snapshot.h"
+
+#include "graphed/cuda_handles.h"
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <chrono>
+#include <sstream>
+
+namespace graphed {
+namespace {
+
+std::vector<std::string> default_input_names(size_t count) {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < count; ++i) {
+    names.push_back(c10::str("args[", i, "]"));
+  }
+  return names;
+}
+
+// The device of the sample tensors, which must all be CUDA tensors on one
+// device; nullopt when there are none. Other tensors are refused with the reason.
+std::optional<c10::Device> input_device(const Signature& signature) {
+  std::optional<c10::Device> device;
+  for (size_t i = 0; i < signature.num_tensors(); ++i) {
+    const TensorSpec& spec = signature.tensor_specs()[i];
+    GRAPHED_CHECK(spec.device.is_cuda(), "Expected every input tensor on a CUDA device, but ",
+                  signature.tensor_path(i), " is ", spec.describe(),
+                  ". A graph only replays GPU work: a CPU input would be read once, at capture, "
+                  "and never again. Move it to the GPU before capture (.cuda()).");
+    GRAPHED_CHECK(!device || *device == spec.device, "Expected every input tensor on one device, "
+                  "but ", signature.tensor_path(0), " is on ", device->str(), " and ",
+                  signature.tensor_path(i), " is on ", spec.device.str(),
+                  ". A graph runs on one device: move the inputs to the same GPU.");
+    device = spec.device;
+  }
+  return device;
+}
+
+void check_outputs(const StaticOutputs& outputs, const std::string& description) {
+  for (const at::Tensor& tensor : outputs.tensors()) {
+    GRAPHED_CHECK_AS(CaptureError, !tensor.defined() || tensor.is_cuda(), description,
+                     " returned a tensor on ", tensor.device().str(), " (", describe_tensor(tensor),
+                     "). A graph only replays GPU work, so that output would keep its value from "
+                     "capture forever. Return GPU tensors, and move results to the host after "
+                     "the call.");
+  }
+}
+
+double elapsed_ms(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
+      .count();
+}
+
+}  // namespace
+
+CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> sample,
+                         CaptureOptions options) {
+  GRAPHED_CHECK(static_cast<bool>(function), "Expected a function to capture, got an empty one.");
+  GRAPHED_CHECK(options.warmup_iters >= 1, "Expected warmup_iters >= 1, got ",
+                options.warmup_iters, ". Warm-up runs create what capture cannot (cuBLAS handles "
+                "and workspaces, lazily initialised modules); use at least 1.");
+  if (options.input_names.empty()) {
+    options.input_names = default_input_names(sample.size());
+  }
+  GRAPHED_CHECK(options.input_names.size() == sample.size(), "Expected one input name per "
+                "sample input, got ", options.input_names.size(), " names for ", sample.size(),
+                " inputs.");
+
+  CapturedFunction captured;
+  std::vector<std::string> names = options.input_names;
+  std::vector<c10::IValue> guarded_sample = sample;
+  for (const CaptureGuard& guard : options.guards) {
+    GRAPHED_CHECK(static_cast<bool>(guard.read), "Guard `", guard.name, "` has no read function.");
+    c10::IValue value = guard.read();
+    GRAPHED_CHECK(flatten_tensors(value).empty(), "Guard `", guard.name, "` returned ",
+                  describe_value(value), ", which holds tensors. Guards check host state such as "
+                  "a module's training flag; pass tensors as inputs instead.");
+    names.push_back(guard.name);
+    guarded_sample.push_back(std::move(value));
+  }
+  captured.signature_ = Signature(guarded_sample, names);
+  const std::optional<c10::Device> sample_device = input_device(captured.signature_);
+  GRAPHED_CHECK(c10::cuda::device_count() > 0, "Capturing ", options.description, " needs an NVIDIA "
+                "GPU, but CUDA reports no device (torch.cuda.is_available() is False).");
+  const c10::Device device =
+      sample_device.value_or(c10::Device(c10::kCUDA, c10::cuda::current_device()));
+  c10::cuda::CUDAGuard device_guard(device);
+  c10::NoGradGuard no_grad;
+
+  // Warm-up and capture must change nothing the caller can see (Invariant 1).
+  const StateSnapshot snapshot = StateSnapshot::take(options.state, device);
+  captured.inputs_ = StaticInputs(std::vector<c10::IValue>(sample.begin(), sample.end()));
+  try {
+    const auto warmup_started = std::chrono::steady_clock::now();
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device.index());
+    const c10::cuda::CUDAStream stream = capture_stream(device.index());
+    {
+      // Warm up on the stream that will capture: see Note [One capture stream per device].
+      stream_wait(stream.stream(), caller.stream());
+      c10::cuda::CUDAStreamGuard on_capture_stream(stream);
+      captured.inputs_.start_mutation_watch();
+      for (int i = 0; i < options.warmup_iters; ++i) {
+        (void)function(captured.inputs_.tree());
+      }
+      captured.inputs_.finish_mutation_watch();
+      stream_wait(caller.stream(), stream.stream());
+    }
+    captured.stats_.warmup_ms = elapsed_ms(warmup_started);
+
+    c10::IValue output;
+    GraphCaptureOptions graph_options;
+    graph_options.pool = options.pool;
+    graph_options.error_mode = options.error_mode;
+    graph_options.description = options.description;
+    captured.graph_.capture([&] { output = function(captured.inputs_.tree()); }, graph_options);
+    captured.outputs_ = StaticOutputs(std::move(output));
+    check_outputs(captured.outputs_, options.description);
+  } catch (c10::Error& error) {
+    snapshot.restore();
+    error.add_context("Capture changed nothing: buffers and random generators were restored "
+                      "to their state before warm-up.");
+    throw;
+  } catch (...) {
+    snapshot.restore();
+    throw;
+  }
+  snapshot.restore();
+  captured.function_ = std::move(function);
+  captured.options_ = std::move(options);
+  return captured;
+}
+
+std::vector<c10::IValue> CapturedFunction::guarded_inputs(
+    const std::vector<c10::IValue>& inputs) const {
+  std::vector<c10::IValue> guarded;
+  guarded.reserve(inputs.size() + options_.guards.size());
+  guarded.insert(guarded.end(), inputs.begin(), inputs.end());
+  for (const CaptureGuard& guard : options_.guards) {
+    guarded.push_back(guard.read());
+  }
+  return guarded;
+}
+
+void CapturedFunction::raise_mismatch(const std::vector<c10::IValue>& inputs) const {
+  std::ostringstream message;
+  message << "The inputs do not match those " << options_.description
+          << " was captured with:";
+  for (const std::string& difference : signature_.differences(inputs)) {
+    message << "\n  " << difference;
+  }
+  message << "\nA graph replays fixed shapes, dtypes and devices: call it with inputs like the "
+             "sample it was captured with, or capture again with a sample of the new shape.";
+  GRAPHED_THROW(InputMismatchError, message.str());
+}
+
+c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_inputs) {
+  std::vector<c10::IValue> with_guards;
+  const std::vector<c10::IValue>* inputs = &call_inputs;
+  if (!options_.guards.empty()) {
+    with_guards = guarded_inputs(call_inputs);
+    inputs = &with_guards;
+  }
+  scratch_.clear();
+  if (!signature_.collect_tensors(*inputs, scratch_)) {
+    raise_mismatch(*inputs);
+  }
+  if (c10::GradMode::is_enabled()) {
+    for (size_t i = 0; i < scratch_.size(); ++i) {
+      GRAPHED_CHECK(!scratch_[i].requires_grad(), signature_.tensor_path(i),
+                    " requires grad, but ", options_.description, " was captured for "
+                    "inference and its graph records no autograd history. Pass a tensor that "
+                    "does not require grad (x.detach()), call under torch.no_grad(), or use "
+                    "graphed.make_graphed_callables for training.");
+    }
+  }
+  c10::cuda::CUDAGuard device_guard(graph_.device());
+  stats_.input_copies += static_cast<int64_t>(inputs_.load(scratch_));
+  graph_.replay();
+  inputs_.store_back(scratch_);
+  ++stats_.replays;
+  return outputs_.materialize(options_.clone_outputs);
+}
+
+}  // namespace graphed

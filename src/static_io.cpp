@@ -1,0 +1,130 @@
+#include "graphed/static_io.h"
+
+#include "graphed/check.h"
+
+#include <ATen/ATen.h>
+
+namespace graphed {
+
+void for_each_tensor(const c10::IValue& value,
+                     const std::function<void(const at::Tensor&)>& visit) {
+  if (value.isTensor()) {
+    visit(value.toTensor());
+  } else if (value.isTuple()) {
+    for (const c10::IValue& element : value.toTupleRef().elements()) {
+      for_each_tensor(element, visit);
+    }
+  } else if (value.isList()) {
+    for (const c10::IValue& element : value.toListRef()) {
+      for_each_tensor(element, visit);
+    }
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      for_each_tensor(entry.value(), visit);
+    }
+  }
+}
+
+c10::IValue map_tensors(const c10::IValue& value,
+                        const std::function<at::Tensor(const at::Tensor&)>& replace) {
+  if (value.isTensor()) {
+    return replace(value.toTensor());
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const c10::IValue& element : value.toTupleRef().elements()) {
+      elements.push_back(map_tensors(element, replace));
+    }
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  if (value.isList()) {
+    const auto source = value.toList();
+    c10::impl::GenericList list(source.elementType());
+    list.reserve(source.size());
+    for (const c10::IValue& element : source) {
+      list.push_back(map_tensors(element, replace));
+    }
+    return list;
+  }
+  if (value.isGenericDict()) {
+    const auto source = value.toGenericDict();
+    c10::impl::GenericDict dict(source.keyType(), source.valueType());
+    dict.reserve(source.size());
+    for (const auto& entry : source) {
+      dict.insert(entry.key(), map_tensors(entry.value(), replace));
+    }
+    return dict;
+  }
+  return value;
+}
+
+std::vector<at::Tensor> flatten_tensors(const c10::IValue& value) {
+  std::vector<at::Tensor> tensors;
+  for_each_tensor(value, [&](const at::Tensor& tensor) { tensors.push_back(tensor); });
+  return tensors;
+}
+
+StaticInputs::StaticInputs(const std::vector<c10::IValue>& sample) {
+  tree_.reserve(sample.size());
+  for (const c10::IValue& input : sample) {
+    tree_.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
+      at::Tensor buffer = at::empty_like(tensor, at::MemoryFormat::Preserve);
+      buffer.copy_(tensor);
+      buffers_.push_back(buffer);
+      return buffer;
+    }));
+  }
+}
+
+size_t StaticInputs::load(const std::vector<at::Tensor>& tensors) {
+  GRAPHED_INTERNAL_ASSERT(tensors.size() == buffers_.size(), "expected ", buffers_.size(),
+                          " input tensors, got ", tensors.size());
+  size_t copied = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].is_same(buffers_[i])) {
+      buffers_[i].copy_(tensors[i], /*non_blocking=*/true);
+      ++copied;
+    }
+  }
+  return copied;
+}
+
+void StaticInputs::start_mutation_watch() {
+  versions_.clear();
+  for (const at::Tensor& buffer : buffers_) {
+    versions_.push_back(static_cast<int64_t>(buffer._version()));
+  }
+}
+
+void StaticInputs::finish_mutation_watch() {
+  GRAPHED_INTERNAL_ASSERT(versions_.size() == buffers_.size(),
+                          "finish_mutation_watch() without start_mutation_watch()");
+  mutated_.clear();
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    if (static_cast<int64_t>(buffers_[i]._version()) != versions_[i]) {
+      mutated_.push_back(i);
+    }
+  }
+}
+
+void StaticInputs::store_back(const std::vector<at::Tensor>& tensors) const {
+  for (size_t index : mutated_) {
+    if (!tensors[index].is_same(buffers_[index])) {
+      tensors[index].copy_(buffers_[index], /*non_blocking=*/true);
+    }
+  }
+}
+
+StaticOutputs::StaticOutputs(c10::IValue captured)
+    : captured_(std::move(captured)), tensors_(flatten_tensors(captured_)) {}
+
+c10::IValue StaticOutputs::materialize(bool clone) const {
+  if (captured_.isTensor() && !clone) {
+    return captured_;
+  }
+  return map_tensors(captured_, [clone](const at::Tensor& tensor) {
+    return clone ? tensor.clone() : tensor;
+  });
+}
+
+}  // namespace graphed
