@@ -1,0 +1,42 @@
+# The two commands of README.md: `make demo` and `make test`. Both install
+# what is missing (never replacing an installed torch), build without build
+# isolation against the installed torch, and work offline once torch is there.
+
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# The torch to install where none is (CPU machines); the GPU machines bring their own.
+TORCH_PIN ?= torch==2.14.1
+BUILD_DIR := build/py
+PIP_BUILD := $(PIP) install --no-build-isolation --no-deps -C build-dir=$(BUILD_DIR)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test deps install test-cpp test-python clean
+
+demo: install
+	$(PYTHON) -m graphed demo
+
+test: install
+	$(MAKE) --no-print-directory test-cpp test-python
+
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
+	@$(PYTHON) -c "import scikit_build_core, pytest" 2>/dev/null || \
+		$(PIP) install "scikit-build-core>=0.10" pytest
+	@command -v cmake >/dev/null && command -v ninja >/dev/null || $(PIP) install cmake ninja
+	@[ -f /usr/src/googletest/CMakeLists.txt ] || [ -n "$$GRAPHED_GTEST_SOURCE_DIR" ] || \
+		$(SUDO) apt-get install -y -q libgtest-dev >/dev/null || \
+		echo "graphed: GoogleTest not installed (apt-get install libgtest-dev); C++ tests will be skipped."
+
+install: deps
+	$(PIP_BUILD) -C cmake.define.GRAPHED_BUILD_TESTS=ON \
+		$(if $(GRAPHED_GTEST_SOURCE_DIR),-C cmake.define.GRAPHED_GTEST_SOURCE_DIR=$(GRAPHED_GTEST_SOURCE_DIR)) .
+
+test-cpp:
+	@echo "C++ tests in suites named *OnGpu need an NVIDIA GPU; without one they are listed as Skipped."
+	ctest --test-dir $(BUILD_DIR) --output-on-failure $(CTEST_ARGS)
+
+test-python:
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf build

@@ -1,0 +1,54 @@
+"""Shared pieces of the benchmarks: timing every method of a workload side by side
+in one process, capture time and graph memory, and the result records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from graphed import measure
+
+
+@dataclass
+class Method:
+    """One way of running a workload: ``setup()`` prepares it (warm-up, capture,
+    compilation) and returns the callable that runs one iteration."""
+
+    name: str
+    setup: Callable[[], Callable[[], Any]]
+    is_graph: bool = False
+    record: Dict[str, Any] = field(default_factory=dict)
+    run: Optional[Callable[[], Any]] = None
+
+
+def prepare(method: Method) -> None:
+    """Runs ``method.setup`` and records how long it took and how much device
+    memory it kept (the graph, its pool and static buffers)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    started = time.perf_counter()
+    method.run = method.setup()
+    torch.cuda.synchronize()
+    setup_ms = (time.perf_counter() - started) * 1000
+    if method.is_graph:
+        method.record["capture_ms"] = round(setup_ms, 2)
+        torch.cuda.empty_cache()
+        method.record["graph_mb"] = round((torch.cuda.memory_reserved() - reserved) / 2**20, 2)
+    else:
+        method.record["setup_ms"] = round(setup_ms, 2)
+
+
+def time_methods(methods: Dict[str, Method], *, iters: int, repeats: int) -> None:
+    """Times every prepared method side by side and stores ``ms`` in its record."""
+    times = measure.compare_ms({name: m.run for name, m in methods.items()}, iters=iters,
+                               repeats=repeats)
+    for name, ms in times.items():
+        methods[name].record["ms"] = round(ms, 4)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()

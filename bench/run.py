@@ -1,0 +1,78 @@
+"""Runs the benchmarks side by side in one process and writes the results:
+``python bench/run.py --json OUT.json --markdown OUT.md [--quick] [WORKLOAD...]``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import graphed  # noqa: E402
+import mlp_inference  # noqa: E402
+
+WORKLOADS = {"mlp_inference": mlp_inference.run}
+
+
+def markdown(results) -> str:
+    lines = []
+    for name, workload in results["workloads"].items():
+        if "error" in workload:
+            lines.append(f"### {name}: FAILED\n\n```\n{workload['error']}\n```\n")
+            continue
+        lines.append(f"### {name} (kernel floor {workload['kernel_floor_ms']:.4f} ms)\n")
+        lines.append("| method | ms | x floor | x eager | capture ms | graph MB |")
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for method, r in workload["methods"].items():
+            capture = f"{r['capture_ms']:.1f}" if "capture_ms" in r else ""
+            memory = f"{r['graph_mb']:.1f}" if "graph_mb" in r else ""
+            lines.append(f"| {method} | {r['ms']:.4f} | {r['ratio_to_floor']:.2f} | "
+                         f"{r['speedup_vs_eager']:.2f} | {capture} | {memory} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--markdown", help="where to write the markdown table")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench: needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "graphed": graphed.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "workloads": {},
+    }
+    failed = False
+    for name in args.workloads:
+        print(f"bench: {name}", flush=True)
+        try:
+            results["workloads"][name] = WORKLOADS[name](quick=args.quick)
+        except Exception:  # a broken workload must not hide the others' results
+            failed = True
+            results["workloads"][name] = {"error": traceback.format_exc()}
+            traceback.print_exc()
+    with open(args.json, "w") as out:
+        json.dump(results, out, indent=2)
+    table = markdown(results)
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(table)
+    print(table)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""graphed: CUDA Graphs for PyTorch, with a C++ core.
+
+A launch-bound PyTorch program leaves the GPU idle between hundreds of small
+kernels; a captured CUDA graph replays them with one launch. graphed checks that
+code can be captured, captures it, and verifies the result.
+
+    import graphed
+    fast = graphed.capture(model, x)   # warm up, capture
+    y = fast(x)                        # replay on the current stream
+"""
+
+import os as _os
+import sysconfig as _sysconfig
+
+import torch as _torch  # loads libtorch before the extension that links it
+
+from . import _C
+from ._C import CapturedFunction, CaptureError, GraphedError, InputMismatchError
+from .capture import capture, graph_pool_handle
+
+__version__ = "0.1.0"
+
+#: Pass to CMake (CMAKE_PREFIX_PATH) so that find_package(graphed) finds the
+#: C++ library installed with this package.
+cmake_prefix_path = _os.path.join(_os.path.dirname(__file__), "share", "cmake")
+
+# Capture failures point at the innermost frame outside these directories.
+_C.install_source_locator(
+    [
+        _os.path.dirname(_torch.__file__) + _os.sep,
+        _os.path.dirname(__file__) + _os.sep,
+        _sysconfig.get_paths()["stdlib"] + _os.sep,
+    ]
+)
+
+__all__ = [
+    "CaptureError",
+    "CapturedFunction",
+    "GraphedError",
+    "InputMismatchError",
+    "capture",
+    "cmake_prefix_path",
+    "graph_pool_handle",
+]

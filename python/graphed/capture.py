@@ -1,0 +1,85 @@
+"""graphed.capture: record a function or module once as a CUDA graph, replay it on every call."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+import torch
+
+from . import _C
+
+PoolHandle = Tuple[int, int]
+
+
+def graph_pool_handle() -> PoolHandle:
+    """A memory pool handle that several captures can share.
+
+    Graphs in one pool must replay in the order they were captured; sharing
+    then costs no more memory than the largest of them.
+    """
+    return _C.graph_pool_handle()
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return f"module `{type(fn).__name__}`"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return f"function `{name}`" if name else "the function"
+
+
+def capture(
+    fn: Callable[..., Any],
+    *sample_args: Any,
+    sample_kwargs: Optional[Mapping[str, Any]] = None,
+    warmup: int = 3,
+    pool: Optional[PoolHandle] = None,
+    capture_error_mode: str = "global",
+    clone_outputs: bool = False,
+) -> _C.CapturedFunction:
+    """Capture ``fn(*sample_args, **sample_kwargs)`` as a CUDA graph.
+
+    ``fn`` is warmed up ``warmup`` times on graphed's capture stream, then
+    captured without autograd (this is the inference path; see
+    ``graphed.make_graphed_callables`` for training). The result is called like
+    ``fn``: each call checks its inputs against the sample (nested tuples,
+    lists and dicts of CUDA tensors; non-tensor values must be equal), copies
+    new input tensors into static buffers and replays the graph on the current
+    stream.
+
+    Args:
+        fn: a function or ``torch.nn.Module``. A module's buffers are restored
+            after warm-up, and calls fail if its ``training`` flag changes.
+        sample_args, sample_kwargs: inputs of the shapes future calls will use.
+        warmup: eager runs before capture (at least 1).
+        pool: a handle from :func:`graph_pool_handle` or another capture's
+            ``.pool`` to share memory with (replay in capture order).
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``
+            (``cudaStreamCaptureMode``).
+        clone_outputs: return clones instead of the graph's static outputs.
+            Without it, outputs are overwritten by the next call.
+
+    Raises:
+        graphed.CaptureError: the function cannot be captured; the message
+            names the operation, its source line and the fix. Nothing is
+            changed: buffers and random generators are restored, the pool is
+            released.
+        graphed.GraphedError: bad arguments (CPU tensors, ``warmup < 1``...).
+    """
+    state = []
+    guards = []
+    if isinstance(fn, torch.nn.Module):
+        module = fn
+        state = [buffer for buffer in module.buffers()]
+        guards = [("module.training", lambda: module.training)]
+    return _C.capture(
+        fn,
+        tuple(sample_args),
+        dict(sample_kwargs or {}),
+        warmup,
+        None if pool is None else tuple(pool),
+        capture_error_mode,
+        clone_outputs,
+        state,
+        guards,
+        _describe(fn),
+    )

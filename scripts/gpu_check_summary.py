@@ -1,0 +1,57 @@
+"""Prints the summary table of scripts/gpu-check from its output folder:
+test counts from the JUnit files of ctest and pytest, and the benchmark rows."""
+
+import json
+import os
+import sys
+import xml.etree.ElementTree as ElementTree
+
+
+def junit_counts(path):
+    if not os.path.exists(path):
+        return None
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = failed = skipped = 0
+    for suite in suites:
+        for case in suite.iter("testcase"):
+            total += 1
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed += 1
+            elif case.find("skipped") is not None:
+                skipped += 1
+    return total - failed - skipped, failed, skipped
+
+
+def main(out):
+    print("\n## gpu-check summary\n")
+    print("| tests | passed | failed | skipped |")
+    print("|---|---:|---:|---:|")
+    for name, file in (("C++ (ctest)", "ctest.xml"), ("Python (pytest)", "pytest.xml")):
+        counts = junit_counts(os.path.join(out, file))
+        if counts is None:
+            print(f"| {name} | not run | | |")
+        else:
+            print(f"| {name} | {counts[0]} | {counts[1]} | {counts[2]} |")
+    bench = os.path.join(out, "h200.json")
+    if not os.path.exists(bench):
+        print("\nbenchmarks: not run")
+        return
+    with open(bench) as file:
+        results = json.load(file)
+    print(f"\nbenchmarks on {results['device']}, torch {results['torch']}\n")
+    print("| workload | method | ms | x floor | x eager | capture ms | graph MB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for workload, data in results["workloads"].items():
+        if "error" in data:
+            print(f"| {workload} | FAILED: {data['error'].strip().splitlines()[-1]} | | | | | |")
+            continue
+        print(f"| {workload} | kernel floor | {data['kernel_floor_ms']:.4f} | 1.00 | | | |")
+        for method, r in data["methods"].items():
+            print(f"| {workload} | {method} | {r['ms']:.4f} | {r['ratio_to_floor']:.2f} | "
+                  f"{r['speedup_vs_eager']:.2f} | {r.get('capture_ms', '')} | "
+                  f"{r.get('graph_mb', '')} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "build/gpu-check")
