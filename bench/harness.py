@@ -37,7 +37,13 @@ def prepare(method: Method) -> None:
     if method.is_graph:
         method.record["capture_ms"] = round(setup_ms, 2)
         torch.cuda.empty_cache()
-        method.record["graph_mb"] = round((torch.cuda.memory_reserved() - reserved) / 2**20, 2)
+        held_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
+        if held_mb >= 0:
+            method.record["graph_mb"] = round(held_mb, 2)
+        else:
+            # The method released more cached memory than it kept (torch.compile's
+            # trees manage their own pool): its graph memory cannot be read this way.
+            method.record["graph_mb"] = None
     else:
         method.record["setup_ms"] = round(setup_ms, 2)
 

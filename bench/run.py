@@ -31,7 +31,7 @@ def markdown(results) -> str:
         lines.append("|---|---:|---:|---:|---:|---:|")
         for method, r in workload["methods"].items():
             capture = f"{r['capture_ms']:.1f}" if "capture_ms" in r else ""
-            memory = f"{r['graph_mb']:.1f}" if "graph_mb" in r else ""
+            memory = "" if r.get("graph_mb") is None else f"{r['graph_mb']:.1f}"
             lines.append(f"| {method} | {r['ms']:.4f} | {r['ratio_to_floor']:.2f} | "
                          f"{r['speedup_vs_eager']:.2f} | {capture} | {memory} |")
         lines.append("")
@@ -40,11 +40,16 @@ def markdown(results) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                        help=f"workloads to run (default: all of {', '.join(WORKLOADS)})")
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--markdown", help="where to write the markdown table")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
     args = parser.parse_args()
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    args.workloads = args.workloads or list(WORKLOADS)
     if not torch.cuda.is_available():
         print("bench: needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2

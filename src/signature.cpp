@@ -5,6 +5,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstring>
+#include <iomanip>
 #include <sstream>
 
 namespace graphed {
@@ -107,6 +108,29 @@ std::string describe_value(const c10::IValue& value) {
   }
   if (value.isPyObject()) {
     return value.toPyObjectHolder()->toStr();
+  }
+  // Constants read as Python writes them; a float always shows its point, so
+  // that 2 and 2.0 (different signatures) look different.
+  if (value.isBool()) {
+    return value.toBool() ? "True" : "False";
+  }
+  if (value.isInt()) {
+    return std::to_string(value.toInt());
+  }
+  if (value.isDouble()) {
+    std::ostringstream out;
+    out << std::setprecision(17) << value.toDouble();
+    std::string text = out.str();
+    if (text.find_first_of(".eni") == std::string::npos) {
+      text += ".0";
+    }
+    return text;
+  }
+  if (value.isString()) {
+    return c10::str("'", value.toStringRef(), "'");
+  }
+  if (value.isDevice()) {
+    return c10::str("device '", value.toDevice().str(), "'");
   }
   std::ostringstream out;
   out << value << " (" << value.tagKind() << ")";

@@ -94,7 +94,7 @@ def test_constant_arguments_are_part_of_the_signature():
     fast = graphed.capture(lambda x, k: x * k, torch.ones(4, device="cuda"), 2)
     torch.testing.assert_close(fast(torch.ones(4, device="cuda"), 2),
                                torch.full((4,), 2.0, device="cuda"))
-    with pytest.raises(graphed.InputMismatchError, match=r"args\[1\]: expected 2 \(Int\), got 3"):
+    with pytest.raises(graphed.InputMismatchError, match=r"args\[1\]: expected 2, got 3\n"):
         fast(torch.ones(4, device="cuda"), 3)
 
 
@@ -103,7 +103,8 @@ def test_module_training_flag_is_guarded(mlp):
     fast = graphed.capture(model, x)
     model.train()
     try:
-        with pytest.raises(graphed.InputMismatchError, match="module.training: expected false"):
+        with pytest.raises(graphed.InputMismatchError,
+                           match="module.training: expected False, got True"):
             fast(x)
     finally:
         model.eval()
