@@ -30,20 +30,6 @@ std::string describe_cuda_failure(const char* call, cudaError_t status) {
 
 }  // namespace detail
 
-void CudaGraphHandle::reset() noexcept {
-  if (graph_ != nullptr) {
-    GRAPHED_WARN_CUDA(cudaGraphDestroy(graph_));
-    graph_ = nullptr;
-  }
-}
-
-void CudaGraphExecHandle::reset() noexcept {
-  if (exec_ != nullptr) {
-    GRAPHED_WARN_CUDA(cudaGraphExecDestroy(exec_));
-    exec_ = nullptr;
-  }
-}
-
 CudaEvent::CudaEvent() {
   GRAPHED_CHECK_CUDA(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
 }

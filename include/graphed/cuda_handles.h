@@ -5,85 +5,62 @@
 /// owns most handles (streams, events, the graphs inside at::cuda::CUDAGraph);
 /// these cover the rest. Destructors never throw: failures there are warnings.
 
+#include "graphed/check.h"
+
 #include <cuda_runtime_api.h>
 
 #include <utility>
 
 namespace graphed {
 
+/// Owns one raw CUDA handle of type `Handle`, destroyed with `Destroy`.
+/// Move-only; a moved-from owner is empty. Destruction failures are warnings.
+template <typename Handle, cudaError_t (*Destroy)(Handle)>
+class UniqueCudaHandle {
+ public:
+  /// An empty owner.
+  UniqueCudaHandle() noexcept = default;
+  /// Takes ownership of `handle` (may be null).
+  explicit UniqueCudaHandle(Handle handle) noexcept : handle_(handle) {}
+  ~UniqueCudaHandle() { reset(); }
+
+  UniqueCudaHandle(const UniqueCudaHandle&) = delete;
+  UniqueCudaHandle& operator=(const UniqueCudaHandle&) = delete;
+  /// Transfers ownership; `other` becomes empty.
+  UniqueCudaHandle(UniqueCudaHandle&& other) noexcept
+      : handle_(std::exchange(other.handle_, nullptr)) {}
+  /// Destroys the owned handle, then takes `other`'s.
+  UniqueCudaHandle& operator=(UniqueCudaHandle&& other) noexcept {
+    if (this != &other) {
+      reset();
+      handle_ = std::exchange(other.handle_, nullptr);
+    }
+    return *this;
+  }
+
+  /// The owned handle (null when empty).
+  Handle get() const noexcept { return handle_; }
+  /// Where a CUDA call may write a new handle; destroys the old one first.
+  Handle* out() noexcept {
+    reset();
+    return &handle_;
+  }
+  /// Destroys the owned handle, if any.
+  void reset() noexcept {
+    if (handle_ != nullptr) {
+      GRAPHED_WARN_CUDA(Destroy(handle_));
+      handle_ = nullptr;
+    }
+  }
+
+ private:
+  Handle handle_ = nullptr;
+};
+
 /// Owns a `cudaGraph_t` (a captured, not yet instantiated graph).
-class CudaGraphHandle {
- public:
-  /// An empty owner.
-  CudaGraphHandle() noexcept = default;
-  /// Takes ownership of `graph` (may be null).
-  explicit CudaGraphHandle(cudaGraph_t graph) noexcept : graph_(graph) {}
-  ~CudaGraphHandle() { reset(); }
-
-  CudaGraphHandle(const CudaGraphHandle&) = delete;
-  CudaGraphHandle& operator=(const CudaGraphHandle&) = delete;
-  /// Transfers ownership; `other` becomes empty.
-  CudaGraphHandle(CudaGraphHandle&& other) noexcept
-      : graph_(std::exchange(other.graph_, nullptr)) {}
-  /// Destroys the owned graph, then takes `other`'s.
-  CudaGraphHandle& operator=(CudaGraphHandle&& other) noexcept {
-    if (this != &other) {
-      reset();
-      graph_ = std::exchange(other.graph_, nullptr);
-    }
-    return *this;
-  }
-
-  /// The owned handle (null when empty).
-  cudaGraph_t get() const noexcept { return graph_; }
-  /// Where a CUDA call may write a new handle; destroys the old one first.
-  cudaGraph_t* out() noexcept {
-    reset();
-    return &graph_;
-  }
-  /// Destroys the owned graph, if any.
-  void reset() noexcept;
-
- private:
-  cudaGraph_t graph_ = nullptr;
-};
-
+using CudaGraphHandle = UniqueCudaHandle<cudaGraph_t, &cudaGraphDestroy>;
 /// Owns a `cudaGraphExec_t` (an instantiated, launchable graph).
-class CudaGraphExecHandle {
- public:
-  /// An empty owner.
-  CudaGraphExecHandle() noexcept = default;
-  /// Takes ownership of `exec` (may be null).
-  explicit CudaGraphExecHandle(cudaGraphExec_t exec) noexcept : exec_(exec) {}
-  ~CudaGraphExecHandle() { reset(); }
-
-  CudaGraphExecHandle(const CudaGraphExecHandle&) = delete;
-  CudaGraphExecHandle& operator=(const CudaGraphExecHandle&) = delete;
-  /// Transfers ownership; `other` becomes empty.
-  CudaGraphExecHandle(CudaGraphExecHandle&& other) noexcept
-      : exec_(std::exchange(other.exec_, nullptr)) {}
-  /// Destroys the owned executable graph, then takes `other`'s.
-  CudaGraphExecHandle& operator=(CudaGraphExecHandle&& other) noexcept {
-    if (this != &other) {
-      reset();
-      exec_ = std::exchange(other.exec_, nullptr);
-    }
-    return *this;
-  }
-
-  /// The owned handle (null when empty).
-  cudaGraphExec_t get() const noexcept { return exec_; }
-  /// Where a CUDA call may write a new handle; destroys the old one first.
-  cudaGraphExec_t* out() noexcept {
-    reset();
-    return &exec_;
-  }
-  /// Destroys the owned executable graph, if any.
-  void reset() noexcept;
-
- private:
-  cudaGraphExec_t exec_ = nullptr;
-};
+using CudaGraphExecHandle = UniqueCudaHandle<cudaGraphExec_t, &cudaGraphExecDestroy>;
 
 /// Owns a `cudaEvent_t` created without timing (the cheapest kind), for
 /// ordering work between streams.

@@ -13,20 +13,7 @@ def cuda_time_ms(fn: Callable[[], object], *, iters: int = 50, repeats: int = 7,
                  warmup: int = 5) -> float:
     """Milliseconds per call of ``fn``: the median over ``repeats`` of the mean of
     ``iters`` back-to-back calls, timed with CUDA events on the current stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+    return compare_ms({"fn": fn}, iters=iters, repeats=repeats, warmup=warmup)["fn"]
 
 
 def compare_ms(fns: Dict[str, Callable[[], object]], *, iters: int = 50, repeats: int = 9,
