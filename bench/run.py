@@ -15,9 +15,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import graphed  # noqa: E402
+import gpt_train  # noqa: E402
 import mlp_inference  # noqa: E402
 
-WORKLOADS = {"mlp_inference": mlp_inference.run}
+WORKLOADS = {"mlp_inference": mlp_inference.run, "gpt_train": gpt_train.run}
 
 
 def markdown(results) -> str:

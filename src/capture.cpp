@@ -90,7 +90,10 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
   const c10::Device device =
       sample_device.value_or(c10::Device(c10::kCUDA, c10::cuda::current_device()));
   c10::cuda::CUDAGuard device_guard(device);
-  c10::NoGradGuard no_grad;
+  std::optional<c10::NoGradGuard> no_grad;
+  if (!options.autograd) {
+    no_grad.emplace();
+  }
 
   // Warm-up and capture must change nothing the caller can see (Invariant 1).
   const StateSnapshot snapshot = StateSnapshot::take(options.state, device);
@@ -169,7 +172,7 @@ c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_in
   if (!signature_.collect_tensors(*inputs, scratch_)) {
     raise_mismatch(*inputs);
   }
-  if (c10::GradMode::is_enabled()) {
+  if (!options_.autograd && c10::GradMode::is_enabled()) {
     for (size_t i = 0; i < scratch_.size(); ++i) {
       GRAPHED_CHECK(!scratch_[i].requires_grad(), signature_.tensor_path(i),
                     " requires grad, but ", options_.description, " was captured for "

@@ -3,6 +3,7 @@
 #include "graphed/check.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 namespace graphed {
 
@@ -65,6 +66,8 @@ std::vector<at::Tensor> flatten_tensors(const c10::IValue& value) {
 }
 
 StaticInputs::StaticInputs(const std::vector<c10::IValue>& sample) {
+  // Buffers hold values, not autograd history, even when a sample requires grad.
+  c10::NoGradGuard no_grad;
   tree_.reserve(sample.size());
   for (const c10::IValue& input : sample) {
     tree_.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
@@ -79,6 +82,7 @@ StaticInputs::StaticInputs(const std::vector<c10::IValue>& sample) {
 size_t StaticInputs::load(const std::vector<at::Tensor>& tensors) {
   GRAPHED_INTERNAL_ASSERT(tensors.size() == buffers_.size(), "expected ", buffers_.size(),
                           " input tensors, got ", tensors.size());
+  c10::NoGradGuard no_grad;
   size_t copied = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!tensors[i].is_same(buffers_[i])) {
@@ -108,6 +112,7 @@ void StaticInputs::finish_mutation_watch() {
 }
 
 void StaticInputs::store_back(const std::vector<at::Tensor>& tensors) const {
+  c10::NoGradGuard no_grad;
   for (size_t index : mutated_) {
     if (!tensors[index].is_same(buffers_[index])) {
       tensors[index].copy_(buffers_[index], /*non_blocking=*/true);

@@ -56,6 +56,11 @@ struct CaptureOptions {
   std::vector<CaptureGuard> guards;
   /// What is captured, for messages, e.g. "function `forward`".
   std::string description = "the function";
+  /// Record autograd too: warm-up and capture run with grad mode enabled, so a
+  /// function that calls backward() (a training step) is captured whole.
+  /// When false (inference), they run under no_grad and calls refuse inputs
+  /// that require grad.
+  bool autograd = false;
 };
 
 /// Counters of a captured function.
@@ -115,7 +120,8 @@ class CapturedFunction {
 
 /// Warms `function` up on `sample`, captures it and returns the captured
 /// function. Sample tensors must be CUDA tensors on one device; non-tensor
-/// values become part of the signature. Runs without autograd (inference).
+/// values become part of the signature. Runs without autograd (inference)
+/// unless CaptureOptions::autograd is set.
 /// Restores CaptureOptions::state and the random generators afterwards, on
 /// success and on failure. Throws CaptureError (with the operation that broke
 /// capture and the fix) when the function cannot be captured.

@@ -16,7 +16,9 @@ import torch as _torch  # loads libtorch before the extension that links it
 
 from . import _C
 from ._C import CapturedFunction, CaptureError, GraphedError, InputMismatchError
+from ._C import LossScaling
 from .capture import capture, graph_pool_handle
+from .train import TrainStep, make_capturable
 
 __version__ = "0.1.0"
 
@@ -38,7 +40,10 @@ __all__ = [
     "CapturedFunction",
     "GraphedError",
     "InputMismatchError",
+    "LossScaling",
+    "TrainStep",
     "capture",
     "cmake_prefix_path",
     "graph_pool_handle",
+    "make_capturable",
 ]

@@ -233,19 +233,34 @@ py::object to_python(const c10::IValue& value) {
   TORCH_CHECK(false, "graphed cannot give Python a value of kind ", value.tagKind());
 }
 
+// Calls `call()` with the GIL held and converts its result; a Python error
+// leaves its traceback's frames for the core's message and propagates as is.
+template <typename Call>
+c10::IValue call_python(Call&& call) {
+  py::gil_scoped_acquire gil;
+  try {
+    return to_ivalue(call());
+  } catch (py::error_already_set& error) {
+    note_exception_stack(frames_from_traceback(error.trace(), library_roots()));
+    throw;
+  }
+}
+
 CapturableFunction wrap_call(py::object function) {
   std::shared_ptr<py::object> held = share(std::move(function));
   return [held](const std::vector<c10::IValue>& inputs) -> c10::IValue {
-    py::gil_scoped_acquire gil;
-    try {
+    return call_python([&] {
       const py::object args = to_python(inputs.at(0));
       const py::object kwargs = to_python(inputs.at(1));
-      const py::object result = (*held)(*args, **kwargs);
-      return to_ivalue(result);
-    } catch (py::error_already_set& error) {
-      note_exception_stack(frames_from_traceback(error.trace(), library_roots()));
-      throw;
-    }
+      return (*held)(*args, **kwargs);
+    });
+  };
+}
+
+CapturableFunction wrap_single_argument_call(py::object function) {
+  std::shared_ptr<py::object> held = share(std::move(function));
+  return [held](const std::vector<c10::IValue>& inputs) -> c10::IValue {
+    return call_python([&] { return (*held)(to_python(inputs.at(0))); });
   };
 }
 

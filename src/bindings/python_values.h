@@ -30,6 +30,10 @@ py::object to_python(const c10::IValue& value);
 // (note_exception_stack) and lets the Python exception propagate unchanged.
 CapturableFunction wrap_call(py::object function);
 
+// A core function that calls `function(inputs[0])` with the GIL held, for
+// functions of one value (a training step of a batch); errors as wrap_call.
+CapturableFunction wrap_single_argument_call(py::object function);
+
 // A core guard reading `read()` with the GIL held.
 CaptureGuard wrap_guard(std::string name, py::object read);
 

@@ -1,0 +1,117 @@
+"""The gpt_train workload of DESIGN.md: eager; PyTorch's hand-written
+full-iteration capture (capturable AdamW, as in the DESIGN.md anchor);
+graphed.TrainStep; and graphed.TrainStep around the model compiled by
+torch.compile without its cudagraphs. Every method trains its own copy of the
+same initial model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict
+
+import torch
+
+import graphed
+from graphed import measure, workloads
+
+from harness import Method, prepare, time_methods
+
+COMPILE_MODE_WITHOUT_GRAPHS = "default"
+LR = 1e-4
+
+
+def eager_step(model, tokens, targets):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        loss = workloads.gpt_loss(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def torch_full_graph(model, tokens, targets):
+    """The hand-written whole-iteration capture PyTorch's documentation shows."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, capturable=True)
+    static_tokens, static_targets = tokens.clone(), targets.clone()
+
+    def iteration():
+        optimizer.zero_grad(set_to_none=False)
+        loss = workloads.gpt_loss(model(static_tokens), static_targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            iteration()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = iteration()
+
+    def step():
+        static_tokens.copy_(tokens)
+        static_targets.copy_(targets)
+        graph.replay()
+        return static_loss.detach().clone()
+
+    return step
+
+
+def run(quick: bool = False) -> Dict[str, Any]:
+    workloads.configure_numerics()
+    base, tokens, targets = workloads.gpt_train()
+    iters, repeats = (5, 3) if quick else (20, 7)
+
+    eager_model = copy.deepcopy(base)
+    reference_step = eager_step(copy.deepcopy(base), tokens, targets)
+    first_loss = reference_step()
+    floor_ms, activities = measure.kernel_floor_ms(eager_step(copy.deepcopy(base), tokens, targets))
+
+    def graphed_trainstep(compiled: bool):
+        def setup():
+            model = copy.deepcopy(base)
+            forward = torch.compile(model, mode=COMPILE_MODE_WITHOUT_GRAPHS) if compiled else model
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            train = graphed.TrainStep.from_parts(forward, optimizer, workloads.gpt_loss,
+                                                 (tokens, targets))
+            name = "graphed_trainstep_compiled" if compiled else "graphed_trainstep"
+            methods[name].record["kernels"] = train.stats()["kernels"]
+            if compiled:
+                methods[name].record["compile_mode"] = COMPILE_MODE_WITHOUT_GRAPHS
+            return lambda: train((tokens, targets))
+        return setup
+
+    methods = {
+        "eager": Method("eager", lambda: eager_step(eager_model, tokens, targets)),
+        "torch_full_graph": Method("torch_full_graph",
+                                   lambda: torch_full_graph(copy.deepcopy(base), tokens, targets),
+                                   True),
+        "graphed_trainstep": Method("graphed_trainstep", graphed_trainstep(False), True),
+        "graphed_trainstep_compiled": Method("graphed_trainstep_compiled",
+                                             graphed_trainstep(True), True),
+    }
+    for method in methods.values():
+        prepare(method)
+        loss = method.run()
+        method.record["first_loss_diff_vs_eager"] = abs(loss.item() - first_loss.item())
+    time_methods(methods, iters=iters, repeats=repeats)
+
+    records = {}
+    for name, method in methods.items():
+        record = dict(method.record)
+        record["ratio_to_floor"] = round(record["ms"] / floor_ms, 3)
+        record["speedup_vs_eager"] = round(methods["eager"].record["ms"] / record["ms"], 3)
+        records[name] = record
+    return {
+        "description": workloads.GPT_TRAIN_DESCRIPTION,
+        "kernel_floor_ms": round(floor_ms, 4),
+        "gpu_activities_per_iter": activities,
+        "methods": records,
+    }

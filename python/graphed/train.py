@@ -1,0 +1,370 @@
+"""graphed.TrainStep: a whole training iteration captured as one CUDA graph.
+
+The iteration (zero-grad, forward and backward over every microbatch, clipping,
+the optimizer step) is captured once; ``step(batch)`` copies the batch into
+static buffers and replays it, returning the loss as a device tensor without a
+host sync. This module adapts torch objects (modules, optimizers) to the C++
+core, which does the capture, the state snapshot and the replay."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import _C
+from ._C import GraphedError
+
+_FUSED_KINDS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params:
+        raise GraphedError(f"{type(optimizer).__name__} has no parameters to train.")
+    cpu = [i for i, p in enumerate(params) if not p.is_cuda]
+    if cpu:
+        raise GraphedError(
+            f"{type(optimizer).__name__} parameter {cpu[0]} is on {params[cpu[0]].device}; a "
+            "captured training step runs on the GPU. Move the model to the GPU (model.cuda()) "
+            "before creating the optimizer.")
+    return params[0].device
+
+
+def _fusable(optimizer: torch.optim.Optimizer) -> bool:
+    if type(optimizer) not in _FUSED_KINDS:
+        return False
+    dtypes = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+    for group in optimizer.param_groups:
+        if group.get("differentiable", False):
+            return False
+        for p in group["params"]:
+            if p.dtype not in dtypes or p.is_sparse:
+                return False
+    return True
+
+
+def _initial_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any],
+                   p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The state a first step of ``optimizer`` starts from (see Note [Capturable
+    optimizers] in include/graphed/optim.h)."""
+    zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        state = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                 "exp_avg": zeros(), "exp_avg_sq": zeros()}
+        if group.get("amsgrad", False):
+            state["max_exp_avg_sq"] = zeros()
+        return state
+    if isinstance(optimizer, torch.optim.SGD):
+        return {"momentum_buffer": zeros()} if group.get("momentum", 0) else {}
+    return {}
+
+
+def make_capturable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Prepares a torch.optim optimizer for capture, in place, and returns it.
+
+    Adam, AdamW and SGD switch to their fused implementations (one kernel per
+    dtype); other optimizers with a ``capturable`` flag get it set. The learning
+    rate becomes a device tensor that LR schedulers update in place, so they keep
+    working without recapture; step counters move to the device; state that a
+    first step would create lazily is created now, with the values it would start
+    from. Raises GraphedError for optimizers that cannot be captured."""
+    device = _device_of(optimizer)
+    name = type(optimizer).__name__
+    fused = _fusable(optimizer)
+    if not fused and "capturable" not in optimizer.defaults:
+        raise GraphedError(
+            f"{name} cannot be captured in a CUDA graph: it keeps its step on the host and has "
+            "no `capturable` mode. Use Adam, AdamW or SGD (run fused), or an optimizer with "
+            "capturable=True (Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta).")
+    for group in optimizer.param_groups:
+        if isinstance(optimizer, torch.optim.SGD) and group["momentum"] and group["dampening"]:
+            raise GraphedError(
+                f"SGD with momentum and dampening={group['dampening']} cannot be captured: its "
+                "first step copies the gradient into the momentum buffer undamped, a branch a "
+                "replayed graph cannot take. Use dampening=0.")
+        if fused:
+            group["fused"] = True
+            group["foreach"] = False
+        if "capturable" in group:
+            group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state.update(_initial_state(optimizer, group, p))
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and not step.is_cuda:
+                state["step"] = step.to(device=device, dtype=torch.float32)
+    if fused:
+        optimizer._step_supports_amp_scaling = True
+    # Warm-up runs the step eagerly on purpose; torch would warn about it.
+    optimizer._warned_capturable_if_run_uncaptured = True
+    return optimizer
+
+
+def _referenced_objects(fn: Callable[..., Any]) -> List[Any]:
+    """Objects ``fn`` can reach directly: closure cells, the globals its code
+    names, and ``self`` for a bound method."""
+    objects: List[Any] = []
+    target = getattr(fn, "__func__", fn)
+    if hasattr(fn, "__self__"):
+        objects.append(fn.__self__)
+        objects.extend(vars(fn.__self__).values() if hasattr(fn.__self__, "__dict__") else [])
+    for cell in getattr(target, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):
+            objects.append(cell.cell_contents)
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        module_globals = getattr(target, "__globals__", {})
+        objects.extend(module_globals[name] for name in code.co_names if name in module_globals)
+    return objects
+
+
+def find_training_objects(fn: Callable[..., Any], modules: Optional[Iterable[nn.Module]],
+                          optimizers: Optional[Iterable[torch.optim.Optimizer]]
+                          ) -> Tuple[List[nn.Module], List[torch.optim.Optimizer]]:
+    """The modules and optimizers a step function updates: those given, else those
+    it references directly."""
+    found = _referenced_objects(fn) if modules is None or optimizers is None else []
+    if modules is None:
+        modules = [o for o in found if isinstance(o, nn.Module)]
+    if optimizers is None:
+        optimizers = [o for o in found if isinstance(o, torch.optim.Optimizer)]
+    modules, optimizers = list(modules), list(optimizers)
+    if not modules and not optimizers:
+        raise GraphedError(
+            "TrainStep could not find the model and optimizer the step function updates (it "
+            "looks at the function's closure and the globals it names). Pass them: "
+            "TrainStep(step_fn, batch, modules=[model], optimizers=[optimizer]), so that "
+            "capture can restore them after warm-up.")
+    return modules, optimizers
+
+
+def _unique(tensors: Iterable[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    seen, result = set(), []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            result.append(t)
+    return result
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    tensors = [v for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor)]
+    tensors += [v for group in optimizer.param_groups for k, v in group.items()
+                if k != "params" and isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def training_state(modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                   extra: Iterable[torch.Tensor] = ()) -> List[torch.Tensor]:
+    """Every tensor a training iteration changes, for the capture's snapshot."""
+    tensors: List[Optional[torch.Tensor]] = []
+    for module in modules:
+        for p in module.parameters():
+            tensors += [p, p.grad]
+        tensors += list(module.buffers())
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                tensors += [p, p.grad]
+        tensors += _optimizer_tensors(optimizer)
+    tensors += list(extra)
+    return _unique(tensors)
+
+
+_FIRST_STEP_VALUES = {"step": 0.0, "mu_product": 1.0}
+
+
+def _reset_lazy_state(optimizers: Sequence[torch.optim.Optimizer], known: set) -> None:
+    """Optimizers we cannot pre-initialise create state in warm-up; give the state
+    that did not exist before the value a first step starts from."""
+    with torch.no_grad():
+        for optimizer in optimizers:
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and id(value) not in known:
+                        value.fill_(_FIRST_STEP_VALUES.get(key, 0.0))
+
+
+class TrainStep:
+    """A whole training iteration captured as one CUDA graph.
+
+    ``step_fn(batch)`` does the whole iteration (zero-grad, forward, backward,
+    optimizer step) and returns the loss. The optimizers it uses are made
+    capturable (:func:`make_capturable`); the modules and optimizers are found in
+    the function's closure, or given with ``modules=`` and ``optimizers=``.
+    Warm-up and capture change nothing: parameters, gradients, buffers,
+    optimizer state and random generators are restored afterwards, so the first
+    :meth:`step` equals eager's first step.
+
+    Args:
+        step_fn: the iteration; called with one argument, the batch.
+        sample_batch: a batch like those :meth:`step` will get (nested tuples,
+            lists and dicts of CUDA tensors).
+        warmup: eager iterations before capture.
+        microbatches: when set, the batch is a sequence of this many microbatches.
+        modules, optimizers: what the iteration updates (found automatically
+            when omitted).
+        state: further tensors the iteration changes (e.g. a loss scaler's).
+        pool: a memory pool handle to capture into.
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
+        clone_loss: return a loss that stays valid after the next step.
+    """
+
+    def __init__(self, step_fn: Callable[[Any], torch.Tensor], sample_batch: Any, *,
+                 warmup: int = 3, microbatches: Optional[int] = None,
+                 modules: Optional[Iterable[nn.Module]] = None,
+                 optimizers: Optional[Iterable[torch.optim.Optimizer]] = None,
+                 state: Iterable[torch.Tensor] = (), pool: Optional[Tuple[int, int]] = None,
+                 capture_error_mode: str = "global", clone_loss: bool = True,
+                 guard: Optional[Any] = None) -> None:
+        if microbatches is not None:
+            if not isinstance(sample_batch, (list, tuple)) or len(sample_batch) != microbatches:
+                found = (f"a {type(sample_batch).__name__} of {len(sample_batch)}"
+                         if isinstance(sample_batch, (list, tuple))
+                         else type(sample_batch).__name__)
+                raise GraphedError(
+                    f"Expected sample_batch to be a list or tuple of {microbatches} microbatches "
+                    f"(microbatches={microbatches}), got {found}.")
+        self.modules, self.optimizers = find_training_objects(step_fn, modules, optimizers)
+        for optimizer in self.optimizers:
+            make_capturable(optimizer)
+        self.guard = guard
+        tensors = training_state(self.modules, self.optimizers, state)
+        known = {id(t) for t in tensors}
+        self._core = _C.TrainStep(step_fn, sample_batch, warmup,
+                                  None if pool is None else tuple(pool), capture_error_mode,
+                                  tensors, clone_loss, _describe(step_fn))
+        _reset_lazy_state(self.optimizers, known)
+        # Gradients the capture created (a step that drops them allocates new
+        # ones in the graph's pool) hold garbage until the first step: zero them.
+        with torch.no_grad():
+            for module in self.modules:
+                for p in module.parameters():
+                    if p.grad is not None and id(p.grad) not in known:
+                        p.grad.zero_()
+
+    @classmethod
+    def from_parts(cls, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   loss_fn: Callable[..., torch.Tensor], sample_batch: Tuple[Any, Any], *,
+                   microbatches: int = 1, clip_grad_norm: Optional[float] = None,
+                   amp: Optional[str] = None, skip_nonfinite: bool = False,
+                   loss_scaling: Optional[_C.LossScaling] = None, warmup: int = 3,
+                   pool: Optional[Tuple[int, int]] = None) -> "TrainStep":
+        """The usual iteration, built from its parts.
+
+        ``sample_batch`` is ``(inputs, targets)``; ``inputs`` a tensor or a tuple of
+        model arguments. Each step: gradients dropped (they are written fresh,
+        no memset), the batch split into ``microbatches`` along dim 0, forward
+        (under ``amp``: ``"bf16"`` autocast, or ``"fp16"`` autocast with dynamic
+        loss scaling), ``loss_fn(output, targets) / microbatches``, backward;
+        then the non-finite check (``skip_nonfinite``: a step whose loss or
+        gradients are not finite leaves weights and optimizer state untouched),
+        clipping to ``clip_grad_norm``, the optimizer step, and the loss-scale
+        update. Returns the mean loss."""
+        if amp not in (None, "bf16", "fp16"):
+            raise GraphedError(f'Expected amp to be None, "bf16" or "fp16", got {amp!r}.')
+        if microbatches < 1:
+            raise GraphedError(f"Expected microbatches >= 1, got {microbatches}.")
+        if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
+            raise GraphedError("Expected sample_batch to be (inputs, targets), got "
+                               f"{type(sample_batch).__name__}.")
+        device = _device_of(make_capturable(optimizer))
+        scaling = loss_scaling or (_C.LossScaling() if amp == "fp16" else None)
+        if (skip_nonfinite or scaling is not None) and not _fusable(optimizer):
+            raise GraphedError(
+                f"Skipping non-finite steps inside the graph needs an optimizer whose step reads "
+                f"a device flag: fused Adam, AdamW or SGD; got {type(optimizer).__name__}. "
+                "Use one of those, or skip_nonfinite=False.")
+        guard = _C.GradientGuard(device, skip_nonfinite, clip_grad_norm, scaling)
+        autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def forward_loss(inputs: Any, targets: Any) -> torch.Tensor:
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            if autocast_dtype is None:
+                return loss_fn(model(*args), targets)
+            # The autocast cache would hold casts made during capture: keep it off.
+            with torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False):
+                return loss_fn(model(*args), targets)
+
+        def split(value: Any) -> List[Any]:
+            if isinstance(value, tuple):
+                return list(zip(*(split(v) for v in value)))
+            return list(torch.chunk(value, microbatches)) if microbatches > 1 else [value]
+
+        def iteration(batch: Any) -> torch.Tensor:
+            inputs, targets = batch
+            optimizer.zero_grad(set_to_none=True)
+            total = None
+            for micro_inputs, micro_targets in zip(split(inputs), split(targets)):
+                loss = forward_loss(micro_inputs, micro_targets).float() / microbatches
+                guard.scale_loss(loss).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            grads = [p.grad for p in params if p.grad is not None]
+            found_inf = guard.process(total, grads)
+            if found_inf is not None:
+                optimizer.found_inf = found_inf
+            optimizer.step()
+            guard.after_step()
+            return total
+
+        iteration.__qualname__ = f"TrainStep.from_parts({type(model).__name__})"
+        return cls(iteration, sample_batch, warmup=warmup, modules=[model],
+                   optimizers=[optimizer], state=guard.state(), pool=pool, guard=guard)
+
+    def step(self, batch: Any) -> torch.Tensor:
+        """Copies ``batch`` into the static buffers, replays the iteration and
+        returns the loss (a device tensor; no host sync)."""
+        return self._core.step(batch)
+
+    __call__ = step
+
+    def capture_eval(self, fn: Callable[..., Any], *sample_args: Any, warmup: int = 1,
+                     **sample_kwargs: Any) -> None:
+        """Captures ``fn`` (forward only, no autograd) into the same memory pool;
+        :meth:`evaluate` replays it. Model state is restored after its warm-up."""
+        self._core.capture_eval(fn, tuple(sample_args), dict(sample_kwargs), warmup)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Replays the evaluation graph on new inputs."""
+        return self._core.evaluate(*args, **kwargs)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because the loss or a gradient was not finite (reads a
+        device counter: synchronizes)."""
+        return self.guard.skipped_steps if self.guard is not None else 0
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current fp16 loss scale, or None (synchronizes)."""
+        return self.guard.loss_scale if self.guard is not None else None
+
+    @property
+    def static_batch(self) -> List[torch.Tensor]:
+        """The static batch buffers, in signature order."""
+        return self._core.static_batch
+
+    def stats(self) -> Dict[str, Any]:
+        """Graph nodes and kernels, pool memory, capture and warm-up time, steps."""
+        stats = dict(self._core.graph_stats())
+        stats["steps"] = self._core.steps
+        return stats
+
+    @property
+    def pool(self) -> Tuple[int, int]:
+        """The memory pool handle of the captured iteration."""
+        return self._core.graph_stats()["pool"]
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return f"training step `{name}`" if name else "the training step"

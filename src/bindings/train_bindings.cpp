@@ -1,0 +1,131 @@
+// graphed._C: TrainStep, GradientGuard and the capturable optimizers. Conversion only.
+
+#include "graphed/grad_guard.h"
+#include "graphed/optim.h"
+#include "graphed/train_step.h"
+#include "python_values.h"
+#include "registration.h"
+
+namespace graphed::python {
+namespace {
+
+std::optional<PoolId> optional_pool(const py::object& pool) {
+  if (pool.is_none()) {
+    return std::nullopt;
+  }
+  const auto pair = pool.cast<std::pair<c10::CaptureId_t, c10::CaptureId_t>>();
+  return PoolId{pair.first, pair.second};
+}
+
+std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sample_batch,
+                                           int warmup, const py::object& pool,
+                                           const std::string& capture_error_mode,
+                                           std::vector<at::Tensor> state, bool clone_loss,
+                                           std::string description) {
+  TrainStepOptions options;
+  options.warmup_iters = warmup;
+  options.pool = optional_pool(pool);
+  options.error_mode = parse_capture_error_mode(capture_error_mode);
+  options.state = std::move(state);
+  options.clone_loss = clone_loss;
+  options.description = std::move(description);
+  std::vector<c10::IValue> sample{to_ivalue(sample_batch)};
+  TrainStepFunction call = wrap_single_argument_call(std::move(step));
+  py::gil_scoped_release no_gil;
+  return std::make_shared<TrainStep>(std::move(call), std::move(sample), std::move(options));
+}
+
+}  // namespace
+
+void register_training(py::module_& m) {
+  py::class_<TrainStep, std::shared_ptr<TrainStep>>(
+      m, "TrainStep", "A whole training iteration captured as one CUDA graph.")
+      .def(py::init(&make_train_step), py::arg("step"), py::arg("sample_batch"),
+           py::arg("warmup"), py::arg("pool"), py::arg("capture_error_mode"), py::arg("state"),
+           py::arg("clone_loss"), py::arg("description"))
+      .def(
+          "step",
+          [](TrainStep& self, const py::object& batch) {
+            const std::vector<c10::IValue> inputs{to_ivalue(batch)};
+            at::Tensor loss;
+            {
+              py::gil_scoped_release no_gil;
+              loss = self.step(inputs);
+            }
+            return loss;
+          },
+          py::arg("batch"))
+      .def(
+          "capture_eval",
+          [](TrainStep& self, py::object fn, const py::tuple& args, const py::dict& kwargs,
+             int warmup) {
+            std::vector<c10::IValue> sample{to_ivalue(args), to_ivalue(kwargs)};
+            CapturableFunction call = wrap_call(std::move(fn));
+            py::gil_scoped_release no_gil;
+            self.capture_eval(std::move(call), std::move(sample), warmup);
+          },
+          py::arg("fn"), py::arg("args"), py::arg("kwargs"), py::arg("warmup"))
+      .def("evaluate",
+           [](TrainStep& self, const py::args& args, const py::kwargs& kwargs) {
+             const std::vector<c10::IValue> inputs{to_ivalue(args), to_ivalue(kwargs)};
+             c10::IValue outputs;
+             {
+               py::gil_scoped_release no_gil;
+               outputs = self.evaluate(inputs);
+             }
+             return to_python(outputs);
+           })
+      .def_property_readonly("has_eval", &TrainStep::has_eval)
+      .def_property_readonly("steps", &TrainStep::steps)
+      .def_property_readonly(
+          "static_batch",
+          [](const TrainStep& self) { return self.train_graph().static_inputs(); },
+          "The static batch buffers; a batch made of them is not copied.")
+      .def("graph_stats", [](const TrainStep& self) {
+        const GraphStats stats = self.train_graph().graph().stats();
+        py::dict out;
+        out["nodes"] = stats.nodes;
+        out["kernels"] = stats.kernels;
+        out["memcpys"] = stats.memcpys;
+        out["memsets"] = stats.memsets;
+        out["pool_reserved_bytes"] = stats.pool_reserved_bytes;
+        out["pool_allocated_bytes"] = stats.pool_allocated_bytes;
+        out["capture_ms"] = stats.capture_ms;
+        out["warmup_ms"] = self.train_graph().stats().warmup_ms;
+        out["pool"] = py::make_tuple(self.train_graph().graph().pool().first,
+                                     self.train_graph().graph().pool().second);
+        return out;
+      });
+
+  py::class_<LossScaling>(m, "LossScaling")
+      .def(py::init([](double init_scale, double growth_factor, double backoff_factor,
+                       int64_t growth_interval) {
+             return LossScaling{init_scale, growth_factor, backoff_factor, growth_interval};
+           }),
+           py::arg("init_scale") = 65536.0, py::arg("growth_factor") = 2.0,
+           py::arg("backoff_factor") = 0.5, py::arg("growth_interval") = 2000);
+
+  py::class_<GradientGuard, std::shared_ptr<GradientGuard>>(
+      m, "GradientGuard",
+      "Loss scaling, non-finite check, clipping and skip counting on the device.")
+      .def(py::init([](const c10::Device& device, bool skip_nonfinite,
+                       std::optional<double> clip_grad_norm,
+                       std::optional<LossScaling> loss_scaling) {
+             return std::make_shared<GradientGuard>(
+                 device, GradientGuardOptions{skip_nonfinite, clip_grad_norm, loss_scaling});
+           }),
+           py::arg("device"), py::arg("skip_nonfinite"), py::arg("clip_grad_norm"),
+           py::arg("loss_scaling"))
+      .def("scale_loss", &GradientGuard::scale_loss)
+      .def("process", &GradientGuard::process, py::arg("loss"), py::arg("grads"))
+      .def("after_step", &GradientGuard::after_step)
+      .def_property_readonly("can_skip", &GradientGuard::can_skip)
+      .def_property_readonly("skipped_steps", &GradientGuard::skipped_steps)
+      .def_property_readonly("loss_scale", &GradientGuard::loss_scale)
+      .def_property_readonly("grad_norm", &GradientGuard::grad_norm)
+      .def("state", &GradientGuard::state);
+
+  m.def("clip_grad_norm", &clip_grad_norm, py::arg("grads"), py::arg("max_norm"));
+}
+
+}  // namespace graphed::python
