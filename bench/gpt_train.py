@@ -98,6 +98,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
                                              graphed_trainstep(True), True),
     }
     for method in methods.values():
+        print(f"bench: gpt_train: {method.name}", flush=True)
         prepare(method)
         loss = method.run()
         method.record["first_loss_diff_vs_eager"] = abs(loss.item() - first_loss.item())

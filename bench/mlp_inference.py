@@ -74,6 +74,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
                                                graphed_capture_compiled, True),
         }
         for method in methods.values():
+            print(f"bench: mlp_inference: {method.name}", flush=True)
             prepare(method)
             got = method.run()
             method.record["max_abs_diff_vs_eager"] = max_abs_diff(got, expected)

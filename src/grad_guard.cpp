@@ -52,8 +52,10 @@ GradientGuard::GradientGuard(c10::Device device, GradientGuardOptions options)
   GRAPHED_CHECK(device.is_cuda(), "Expected a CUDA device for the gradient guard, got ",
                 device.str(), ".");
   const auto floats = at::TensorOptions().device(device).dtype(at::kFloat);
-  found_inf_ = at::zeros({1}, floats);
-  skipped_ = at::zeros({1}, floats);
+  // Zero-dimensional, as torch.amp.GradScaler keeps them: the fused optimizers
+  // subtract found_inf from their zero-dimensional step counters.
+  found_inf_ = at::zeros({}, floats);
+  skipped_ = at::zeros({}, floats);
   if (options_.loss_scaling) {
     const LossScaling& scaling = *options_.loss_scaling;
     GRAPHED_CHECK(scaling.init_scale > 0 && scaling.growth_factor > 1 &&
@@ -63,8 +65,8 @@ GradientGuard::GradientGuard(c10::Device device, GradientGuardOptions options)
                   "growth_interval > 0 for loss scaling, got ", scaling.init_scale, ", ",
                   scaling.growth_factor, ", ", scaling.backoff_factor, ", ",
                   scaling.growth_interval, ".");
-    scale_ = at::full({1}, scaling.init_scale, floats);
-    growth_tracker_ = at::zeros({1}, at::TensorOptions().device(device).dtype(at::kInt));
+    scale_ = at::full({}, scaling.init_scale, floats);
+    growth_tracker_ = at::zeros({}, at::TensorOptions().device(device).dtype(at::kInt));
   }
 }
 
@@ -72,7 +74,7 @@ at::Tensor GradientGuard::scale_loss(const at::Tensor& loss) const {
   if (!options_.loss_scaling) {
     return loss;
   }
-  return loss * scale_.to(loss.scalar_type()).reshape({});
+  return loss * scale_.to(loss.scalar_type());
 }
 
 at::Tensor GradientGuard::process(const at::Tensor& loss, const std::vector<at::Tensor>& grads) {
@@ -96,9 +98,9 @@ at::Tensor GradientGuard::process(const at::Tensor& loss, const std::vector<at::
   }
   // Any NaN or inf in a gradient makes the global norm non-finite; so does a
   // non-finite loss (which backward may not propagate, e.g. inf * 0).
-  at::Tensor bad = at::logical_not(at::isfinite(loss.detach().to(at::kFloat))).reshape({1});
+  at::Tensor bad = at::logical_not(at::isfinite(loss.detach().to(at::kFloat))).reshape({});
   if (grad_norm_.defined() && !options_.loss_scaling) {
-    bad = at::logical_or(bad, at::logical_not(at::isfinite(grad_norm_)).reshape({1}));
+    bad = at::logical_or(bad, at::logical_not(at::isfinite(grad_norm_)).reshape({}));
   }
   at::maximum_out(found_inf_, found_inf_, bad.to(at::kFloat));
   skipped_.add_(found_inf_);

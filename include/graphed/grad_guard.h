@@ -43,7 +43,7 @@ struct GradientGuardOptions {
 /// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 /// A NaN check usually reads a flag on the host (`loss.item()`), which a graph
 /// cannot do; Megatron-LM turns its check off for full-iteration graphs. Here
-/// the check produces `found_inf`, a one-element device tensor, and the
+/// the check produces `found_inf`, a zero-dimensional device tensor, and the
 /// optimizer reads it on the device: the fused Adam, AdamW and SGD kernels
 /// return early when it is non-zero, and their step counters are decremented
 /// back, so a skipped step leaves weights and optimizer state bit-identical.
