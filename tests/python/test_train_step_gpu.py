@@ -233,10 +233,13 @@ def test_fp16_loss_scaling_and_bf16_autocast_train():
         data = batches(30)
         step = graphed.TrainStep.from_parts(model, opt, nn.functional.mse_loss, data[0], amp=amp)
         losses = torch.stack([step(b) for b in data])
-        assert torch.isfinite(losses).all()
-        assert losses[-5:].mean() < losses[:5].mean()
+        finite = losses[torch.isfinite(losses)]
+        # fp16 may overflow in its first steps at the initial scale; those are skipped.
+        assert finite.numel() >= 25, (amp, losses)
+        assert finite[-5:].mean() < finite[:5].mean(), (amp, losses)
         if amp == "fp16":
-            assert step.loss_scale == 65536.0
+            assert 0 < step.loss_scale <= 65536.0
+            assert step.skipped_steps == 30 - finite.numel()
         else:
             assert step.loss_scale is None
 
