@@ -239,7 +239,7 @@ def test_fp16_loss_scaling_and_bf16_autocast_train():
         assert finite[-5:].mean() < finite[:5].mean(), (amp, losses)
         if amp == "fp16":
             assert 0 < step.loss_scale <= 65536.0
-            assert step.skipped_steps == 30 - finite.numel()
+            assert step.skipped_steps < 10, step.skipped_steps
         else:
             assert step.loss_scale is None
 
