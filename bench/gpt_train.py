@@ -45,9 +45,6 @@ def torch_full_graph(model, tokens, targets):
         optimizer.step()
         return loss
 
-    # Warm up on the stream that captures, so that cuBLAS workspaces exist
-    # before capture (warming up on another stream made replays of this
-    # graph fail with an illegal memory access on torch 2.11).
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -55,10 +52,13 @@ def torch_full_graph(model, tokens, targets):
             iteration()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    with torch.cuda.graph(graph):
         static_loss = iteration()
 
     def step():
+        # The graph reads the model's and optimizer's memory: keep them alive
+        # (a hand-written capture must; graphed.TrainStep holds its function).
+        _ = (model, optimizer)
         static_tokens.copy_(tokens)
         static_targets.copy_(targets)
         graph.replay()
