@@ -1,6 +1,9 @@
 #include "graphed/train_step.h"
 
 #include "graphed/check.h"
+#include "graphed/static_io.h"
+
+#include <ATen/autocast_mode.h>
 
 namespace graphed {
 namespace {
@@ -16,7 +19,119 @@ std::vector<std::string> default_batch_names(size_t count) {
   return names;
 }
 
+// Autocast on CUDA to `dtype` (when set) for its lifetime, cache off: the
+// cache would keep casts made during capture in the graph's pool.
+class AutocastScope {
+ public:
+  explicit AutocastScope(std::optional<c10::ScalarType> dtype) : active_(dtype.has_value()) {
+    if (!active_) {
+      return;
+    }
+    was_enabled_ = at::autocast::is_autocast_enabled(at::kCUDA);
+    previous_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
+    cache_was_enabled_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, *dtype);
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastScope() {
+    if (active_) {
+      at::autocast::set_autocast_enabled(at::kCUDA, was_enabled_);
+      at::autocast::set_autocast_dtype(at::kCUDA, previous_dtype_);
+      at::autocast::set_autocast_cache_enabled(cache_was_enabled_);
+    }
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool active_;
+  bool was_enabled_ = false;
+  c10::ScalarType previous_dtype_ = c10::kHalf;
+  bool cache_was_enabled_ = true;
+};
+
+// Microbatch `index` of `count`: every tensor split along dim 0.
+std::vector<c10::IValue> microbatch(const std::vector<c10::IValue>& batch, int64_t index,
+                                    int64_t count) {
+  if (count == 1) {
+    return batch;
+  }
+  std::vector<c10::IValue> part;
+  for (const c10::IValue& value : batch) {
+    part.push_back(map_tensors(value, [&](const at::Tensor& tensor) {
+      GRAPHED_CHECK(tensor.dim() > 0 && tensor.size(0) % count == 0, "Expected every batch "
+                    "tensor to split into ", count, " microbatches along dim 0, got ",
+                    describe_tensor(tensor), ".");
+      return tensor.chunk(count)[index];
+    }));
+  }
+  return part;
+}
+
 }  // namespace
+
+TrainStep TrainStep::from_parts(TrainStepParts parts, std::vector<c10::IValue> sample_batch,
+                                TrainStepOptions options) {
+  GRAPHED_CHECK(static_cast<bool>(parts.loss), "TrainStepParts::loss is empty: expected the "
+                "function computing a microbatch's loss.");
+  GRAPHED_CHECK(parts.optimizer != nullptr, "TrainStepParts::optimizer is null: expected a "
+                "CapturableAdamW or CapturableSGD.");
+  GRAPHED_CHECK(parts.microbatches >= 1, "Expected microbatches >= 1, got ", parts.microbatches,
+                ".");
+  GRAPHED_CHECK(!parts.autocast || *parts.autocast == c10::kBFloat16 ||
+                    *parts.autocast == c10::kHalf,
+                "Expected autocast to be bfloat16 or float16, got ", *parts.autocast, ".");
+  const std::vector<at::Tensor>& params = parts.optimizer->params();
+  auto guard = std::make_shared<GradientGuard>(params.at(0).device(), parts.guard);
+
+  for (const at::Tensor& p : params) {
+    options.state.push_back(p);
+    if (p.grad().defined()) {
+      options.state.push_back(p.grad());
+    }
+  }
+  for (const auto* tensors : {&parts.buffers}) {
+    options.state.insert(options.state.end(), tensors->begin(), tensors->end());
+  }
+  for (const at::Tensor& t : parts.optimizer->state()) {
+    options.state.push_back(t);
+  }
+  for (const at::Tensor& t : guard->state()) {
+    options.state.push_back(t);
+  }
+
+  TrainStepFunction iteration = [parts = std::move(parts),
+                                 guard](const std::vector<c10::IValue>& batch) -> c10::IValue {
+    parts.optimizer->zero_grad(/*set_to_none=*/true);
+    at::Tensor total;
+    for (int i = 0; i < parts.microbatches; ++i) {
+      at::Tensor loss;
+      {
+        AutocastScope autocast(parts.autocast);
+        const c10::IValue value = parts.loss(microbatch(batch, i, parts.microbatches));
+        GRAPHED_CHECK(value.isTensor() && value.toTensor().numel() == 1, "The microbatch loss "
+                      "must be a tensor with one element, got ", describe_value(value), ".");
+        loss = value.toTensor();
+      }
+      loss = loss.to(at::kFloat) / parts.microbatches;
+      guard->scale_loss(loss).backward();
+      total = total.defined() ? total + loss.detach() : loss.detach();
+    }
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : parts.optimizer->params()) {
+      if (p.grad().defined()) {
+        grads.push_back(p.grad());
+      }
+    }
+    parts.optimizer->step(guard->process(total, grads));
+    guard->after_step();
+    return total;
+  };
+  TrainStep step(std::move(iteration), std::move(sample_batch), std::move(options));
+  step.guard_ = std::move(guard);
+  return step;
+}
 
 TrainStep::TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_batch,
                      TrainStepOptions options)

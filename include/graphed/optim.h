@@ -23,6 +23,22 @@
 
 namespace graphed {
 
+/// What a captured training iteration needs from an optimizer; see
+/// Note [Capturable optimizers].
+class CapturableOptimizer {
+ public:
+  virtual ~CapturableOptimizer() = default;
+  /// One step over every parameter that has a gradient; skipped on the device
+  /// when `found_inf` is defined and non-zero.
+  virtual void step(const at::Tensor& found_inf = at::Tensor()) = 0;
+  /// Clears the gradients: drops them (set_to_none) or zeroes them in place.
+  virtual void zero_grad(bool set_to_none = true) = 0;
+  /// The parameters.
+  virtual const std::vector<at::Tensor>& params() const = 0;
+  /// Every state tensor, for snapshots.
+  virtual std::vector<at::Tensor> state() const = 0;
+};
+
 /// Hyperparameters of CapturableAdamW (torch.optim.AdamW's defaults).
 struct AdamWOptions {
   /// Learning rate.
@@ -42,7 +58,7 @@ struct AdamWOptions {
 };
 
 /// AdamW whose step can be captured in a CUDA graph.
-class CapturableAdamW {
+class CapturableAdamW final : public CapturableOptimizer {
  public:
   /// Creates the optimizer and its state for `params` (CUDA floating-point
   /// tensors that require grad, on one device).
@@ -50,17 +66,17 @@ class CapturableAdamW {
 
   /// One AdamW step over every parameter that has a gradient. When
   /// `found_inf` is non-zero on the device, the step leaves everything as it was.
-  void step(const at::Tensor& found_inf = at::Tensor());
+  void step(const at::Tensor& found_inf = at::Tensor()) override;
   /// Clears the gradients: drops them (set_to_none) or zeroes them in place.
-  void zero_grad(bool set_to_none = true);
+  void zero_grad(bool set_to_none = true) override;
   /// Sets the learning rate in place on the device (graphs read the new value).
   void set_lr(double lr);
   /// The learning rate last set.
   double lr() const { return options_.lr; }
   /// The parameters.
-  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<at::Tensor>& params() const override { return params_; }
   /// Every state tensor (moments, step counters, learning rate), for snapshots.
-  std::vector<at::Tensor> state() const;
+  std::vector<at::Tensor> state() const override;
   /// The hyperparameters.
   const AdamWOptions& options() const { return options_; }
 
@@ -91,7 +107,7 @@ struct SGDOptions {
 };
 
 /// SGD whose step can be captured in a CUDA graph.
-class CapturableSGD {
+class CapturableSGD final : public CapturableOptimizer {
  public:
   /// Creates the optimizer and its momentum buffers for `params`. Momentum
   /// with dampening is refused: eager SGD's first step copies the gradient
@@ -100,17 +116,17 @@ class CapturableSGD {
 
   /// One SGD step over every parameter that has a gradient; skipped on the
   /// device when `found_inf` is non-zero.
-  void step(const at::Tensor& found_inf = at::Tensor());
+  void step(const at::Tensor& found_inf = at::Tensor()) override;
   /// Clears the gradients: drops them (set_to_none) or zeroes them in place.
-  void zero_grad(bool set_to_none = true);
+  void zero_grad(bool set_to_none = true) override;
   /// Sets the learning rate in place on the device.
   void set_lr(double lr);
   /// The learning rate last set.
   double lr() const { return options_.lr; }
   /// The parameters.
-  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<at::Tensor>& params() const override { return params_; }
   /// Every state tensor (momentum buffers, learning rate), for snapshots.
-  std::vector<at::Tensor> state() const;
+  std::vector<at::Tensor> state() const override;
   /// The hyperparameters.
   const SGDOptions& options() const { return options_; }
 

@@ -7,6 +7,8 @@
 /// replays once and returns the loss as a device tensor, with no host sync.
 
 #include "graphed/capture.h"
+#include "graphed/grad_guard.h"
+#include "graphed/optim.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -48,6 +50,25 @@ struct TrainStepOptions {
   bool clone_loss = true;
 };
 
+/// The parts of the usual training iteration, for TrainStep::from_parts.
+struct TrainStepParts {
+  /// The loss of one microbatch: forward and loss function (called with the
+  /// batch values split along dim 0, one microbatch at a time).
+  TrainStepFunction loss;
+  /// The optimizer; its parameters are what the iteration trains.
+  std::shared_ptr<CapturableOptimizer> optimizer;
+  /// Buffers the forward updates (BatchNorm statistics), restored after capture.
+  std::vector<at::Tensor> buffers;
+  /// Microbatches per iteration: the batch is split along dim 0 and their
+  /// gradients accumulate.
+  int microbatches = 1;
+  /// Non-finite skipping, clipping and fp16 loss scaling.
+  GradientGuardOptions guard;
+  /// Run the forward under CUDA autocast to this dtype (bfloat16 or float16),
+  /// with the autocast cache off; fp32 when unset.
+  std::optional<c10::ScalarType> autocast;
+};
+
 /// A training iteration captured as one CUDA graph.
 class TrainStep {
  public:
@@ -57,6 +78,20 @@ class TrainStep {
   /// restored too.
   TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_batch,
             TrainStepOptions options = {});
+
+  /// The usual iteration built from its parts, as Python's
+  /// graphed.TrainStep.from_parts: gradients dropped (the backward writes them
+  /// fresh), forward and backward over each microbatch with the loss divided
+  /// by their number (scaled for fp16), then GradientGuard::process (unscale,
+  /// non-finite check, clipping), the optimizer step (skipped on the device
+  /// for non-finite steps) and the loss-scale update. The step returns the
+  /// summed microbatch losses. `options.state` may add tensors; the parts'
+  /// own state is included.
+  static TrainStep from_parts(TrainStepParts parts, std::vector<c10::IValue> sample_batch,
+                              TrainStepOptions options = {});
+
+  /// The gradient guard of a TrainStep built from parts, else null.
+  const GradientGuard* guard() const { return guard_.get(); }
 
   /// Copies `batch` into the static buffers, replays the iteration on the
   /// current stream and returns the loss. Throws InputMismatchError, listing
@@ -84,6 +119,7 @@ class TrainStep {
 
  private:
   TrainStepOptions options_;
+  std::shared_ptr<GradientGuard> guard_;
   std::unique_ptr<CapturedFunction> train_;
   std::unique_ptr<CapturedFunction> eval_;
 };

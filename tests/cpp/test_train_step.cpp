@@ -115,5 +115,73 @@ TEST(TrainStepOnGpu, LossMustBeATensor) {
                     Error, "must return the loss as a CUDA tensor with one element, got 1.0");
 }
 
+TEST(TrainStepValidation, FromPartsNeedsALossAndAnOptimizer) {
+  EXPECT_THROW_WITH(TrainStep::from_parts(TrainStepParts{}, {at::ones({2})}), Error,
+                    "TrainStepParts::loss is empty");
+  TrainStepParts parts;
+  parts.loss = [](const std::vector<IValue>&) -> IValue { return IValue(); };
+  EXPECT_THROW_WITH(TrainStep::from_parts(parts, {at::ones({2})}), Error,
+                    "TrainStepParts::optimizer is null");
+}
+
+TEST(TrainStepOnGpu, FromPartsAccumulatesMicrobatchesAndSkipsNonFiniteSteps) {
+  GRAPHED_REQUIRE_GPU();
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  torch::manual_seed(3);
+  torch::nn::Linear layer(8, 1);
+  layer->to(torch::kCUDA);
+  torch::nn::Linear eager_layer(8, 1);
+  eager_layer->to(torch::kCUDA);
+  {
+    c10::NoGradGuard no_grad;
+    eager_layer->weight.copy_(layer->weight);
+    eager_layer->bias.copy_(layer->bias);
+  }
+  auto optimizer = std::make_shared<CapturableAdamW>(layer->parameters(), AdamWOptions{1e-2});
+  CapturableAdamW eager_optimizer(eager_layer->parameters(), AdamWOptions{1e-2});
+
+  TrainStepParts parts;
+  parts.loss = [&](const std::vector<IValue>& batch) -> IValue {
+    const auto& pair = batch[0].toTupleRef().elements();
+    return torch::mse_loss(layer->forward(pair[0].toTensor()), pair[1].toTensor());
+  };
+  parts.optimizer = optimizer;
+  parts.microbatches = 2;
+  parts.guard.skip_nonfinite = true;
+  parts.guard.clip_grad_norm = 10.0;
+  TrainStep step = TrainStep::from_parts(
+      parts, {batch_of(at::randn({8, 8}, options), at::randn({8, 1}, options))});
+  ASSERT_NE(step.guard(), nullptr);
+
+  for (int i = 0; i < 5; ++i) {
+    const at::Tensor x = at::randn({8, 8}, options);
+    const at::Tensor y = at::randn({8, 1}, options);
+    const at::Tensor loss = step.step({batch_of(x, y)});
+    eager_optimizer.zero_grad();
+    at::Tensor total;
+    for (int m = 0; m < 2; ++m) {
+      const at::Tensor micro =
+          torch::mse_loss(eager_layer->forward(x.chunk(2)[m]), y.chunk(2)[m]) / 2;
+      micro.backward();
+      total = total.defined() ? total + micro.detach() : micro.detach();
+    }
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : eager_layer->parameters()) {
+      grads.push_back(p.grad());
+    }
+    clip_grad_norm(grads, 10.0);
+    eager_optimizer.step();
+    EXPECT_TRUE(at::allclose(loss, total, 1e-6, 0)) << "step " << i;
+  }
+  EXPECT_TRUE(at::allclose(layer->weight, eager_layer->weight, 1e-6, 1e-7));
+
+  const at::Tensor weight = layer->weight.detach().clone();
+  at::Tensor bad_x = at::randn({8, 8}, options);
+  bad_x[0][0] = std::numeric_limits<float>::quiet_NaN();
+  (void)step.step({batch_of(bad_x, at::randn({8, 1}, options))});
+  EXPECT_TRUE(at::equal(layer->weight.detach(), weight));
+  EXPECT_EQ(step.guard()->skipped_steps(), 1);
+}
+
 }  // namespace
 }  // namespace graphed
