@@ -10,6 +10,7 @@
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
 #include "graphed/graph.h"
+#include "graphed/safety_check.h"
 #include "graphed/signature.h"
 #include "graphed/source_location.h"
 #include "graphed/state_snapshot.h"
