@@ -3,6 +3,7 @@
 
 #include "graphed/graphed.h"
 #include "python_values.h"
+#include "registration.h"
 
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -128,6 +129,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace graphed::python;
   m.doc() = "graphed's C++ core (libgraphed) for Python: conversion only.";
   register_errors(m);
+  register_safety_check(m);
 
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");

@@ -10,6 +10,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,10 @@ py::object to_python(const c10::IValue& value);
 // held. When Python raises, it records the traceback's frames
 // (note_exception_stack) and lets the Python exception propagate unchanged.
 CapturableFunction wrap_call(py::object function);
+
+// A core procedure that calls `function()` with the GIL held. A Python
+// exception propagates unchanged.
+std::function<void()> wrap_procedure(py::object function);
 
 // A core guard reading `read()` with the GIL held.
 CaptureGuard wrap_guard(std::string name, py::object read);

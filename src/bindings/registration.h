@@ -1,0 +1,14 @@
+#pragma once
+
+// The parts of graphed._C that live in their own binding files. module.cpp's
+// PYBIND11_MODULE calls each once, after registering the error types.
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace graphed::python {
+
+// graphed.check: check_safety, the report types, and the entry points through
+// which the Python adapter records host calls (check_bindings.cpp).
+void register_safety_check(pybind11::module_& m);
+
+}  // namespace graphed::python
