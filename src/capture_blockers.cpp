@@ -3,6 +3,7 @@
 #include "graphed/check.h"
 
 #include <array>
+#include <string>
 
 namespace graphed {
 namespace {
@@ -57,6 +58,31 @@ const BlockerInfo& blocker_info(BlockerKind kind) {
     }
   }
   GRAPHED_INTERNAL_ASSERT(false, "no catalogue entry for blocker kind ", static_cast<int>(kind));
+}
+
+std::string_view blocker_kind_name(BlockerKind kind) {
+  switch (kind) {
+    case BlockerKind::kHostRead: return "host_read";
+    case BlockerKind::kDataDependentShape: return "data_dependent_shape";
+    case BlockerKind::kExplicitSync: return "explicit_sync";
+    case BlockerKind::kHostDeviceCopy: return "host_device_copy";
+    case BlockerKind::kCpuTensor: return "cpu_tensor";
+    case BlockerKind::kUnregisteredGenerator: return "unregistered_generator";
+    case BlockerKind::kAutocastCache: return "autocast_cache";
+    case BlockerKind::kOther: return "other";
+  }
+  GRAPHED_INTERNAL_ASSERT(false, "no name for blocker kind ", static_cast<int>(kind));
+}
+
+BlockerKind blocker_kind_from_name(std::string_view name) {
+  std::string valid;
+  for (const BlockerInfo& info : kBlockers) {
+    if (blocker_kind_name(info.kind) == name) {
+      return info.kind;
+    }
+    valid += c10::str(valid.empty() ? "" : ", ", "'", blocker_kind_name(info.kind), "'");
+  }
+  GRAPHED_THROW(Error, "Expected a capture blocker kind, one of ", valid, "; got '", name, "'.");
 }
 
 std::optional<BlockerKind> blocker_kind_of_operator(std::string_view op_name) {

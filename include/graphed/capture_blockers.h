@@ -51,6 +51,16 @@ struct BlockerInfo {
 /// The explanation for `kind`.
 const BlockerInfo& blocker_info(BlockerKind kind);
 
+/// The stable identifier of `kind` for programs (JSON reports, the Python
+/// API): "host_read", "data_dependent_shape", "explicit_sync",
+/// "host_device_copy", "cpu_tensor", "unregistered_generator",
+/// "autocast_cache" or "other".
+std::string_view blocker_kind_name(BlockerKind kind);
+
+/// The kind whose blocker_kind_name() is `name`. Throws graphed::Error listing
+/// the valid names when there is none.
+BlockerKind blocker_kind_from_name(std::string_view name);
+
 /// The blocker kind an ATen operator belongs to by its name alone
 /// (e.g. "aten::_local_scalar_dense" is kHostRead), or nullopt when the name
 /// alone does not make it a blocker. Operators whose effect depends on their

@@ -12,6 +12,7 @@
 #include "graphed/grad_guard.h"
 #include "graphed/graph.h"
 #include "graphed/optim.h"
+#include "graphed/safety_check.h"
 #include "graphed/signature.h"
 #include "graphed/source_location.h"
 #include "graphed/state_snapshot.h"

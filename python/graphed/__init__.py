@@ -5,6 +5,7 @@ kernels; a captured CUDA graph replays them with one launch. graphed checks that
 code can be captured, captures it, and verifies the result.
 
     import graphed
+    print(graphed.check(model, x))     # what would break capture, with source lines
     fast = graphed.capture(model, x)   # warm up, capture
     y = fast(x)                        # replay on the current stream
 """
@@ -15,9 +16,17 @@ import sysconfig as _sysconfig
 import torch as _torch  # loads libtorch before the extension that links it
 
 from . import _C
-from ._C import CapturedFunction, CaptureError, GraphedError, InputMismatchError
-from ._C import LossScaling
+from ._C import (
+    CapturedFunction,
+    CaptureError,
+    GraphedError,
+    InputMismatchError,
+    LossScaling,
+    SafetyFinding,
+    SafetyReport,
+)
 from .capture import capture, graph_pool_handle
+from .check import check
 from .train import TrainStep, make_capturable
 
 __version__ = "0.1.0"
@@ -42,7 +51,10 @@ __all__ = [
     "InputMismatchError",
     "LossScaling",
     "TrainStep",
+    "SafetyFinding",
+    "SafetyReport",
     "capture",
+    "check",
     "cmake_prefix_path",
     "graph_pool_handle",
     "make_capturable",

@@ -264,6 +264,14 @@ CapturableFunction wrap_single_argument_call(py::object function) {
   };
 }
 
+std::function<void()> wrap_procedure(py::object function) {
+  std::shared_ptr<py::object> held = share(std::move(function));
+  return [held]() {
+    py::gil_scoped_acquire gil;
+    (*held)();
+  };
+}
+
 CaptureGuard wrap_guard(std::string name, py::object read) {
   std::shared_ptr<py::object> held = share(std::move(read));
   return CaptureGuard{std::move(name), [held]() -> c10::IValue {

@@ -10,6 +10,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ CapturableFunction wrap_call(py::object function);
 // A core function that calls `function(inputs[0])` with the GIL held, for
 // functions of one value (a training step of a batch); errors as wrap_call.
 CapturableFunction wrap_single_argument_call(py::object function);
+// A core procedure that calls `function()` with the GIL held. A Python
+// exception propagates unchanged.
+std::function<void()> wrap_procedure(py::object function);
 
 // A core guard reading `read()` with the GIL held.
 CaptureGuard wrap_guard(std::string name, py::object read);

@@ -1,6 +1,7 @@
 #pragma once
 
-// Registration functions of graphed._C's parts, called from module.cpp.
+// The parts of graphed._C that live in their own binding files. module.cpp's
+// PYBIND11_MODULE calls each once, after registering the error types.
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -8,5 +9,9 @@ namespace graphed::python {
 
 // TrainStep, GradientGuard and clip_grad_norm.
 void register_training(pybind11::module_& m);
+
+// graphed.check: check_safety, the report types, and the entry points through
+// which the Python adapter records host calls (check_bindings.cpp).
+void register_safety_check(pybind11::module_& m);
 
 }  // namespace graphed::python

@@ -2,6 +2,7 @@
 
 #include "graphed/capture_blockers.h"
 #include "graphed/capture_watcher.h"
+#include "graphed/check.h"
 #include "test_support.h"
 
 namespace graphed {
@@ -34,6 +35,18 @@ TEST(CaptureBlockers, EveryKindHasAnExplanation) {
     EXPECT_FALSE(info.why.empty());
     EXPECT_FALSE(info.fix.empty());
   }
+}
+
+TEST(CaptureBlockers, KindNamesRoundTrip) {
+  for (BlockerKind kind :
+       {BlockerKind::kHostRead, BlockerKind::kDataDependentShape, BlockerKind::kExplicitSync,
+        BlockerKind::kHostDeviceCopy, BlockerKind::kCpuTensor,
+        BlockerKind::kUnregisteredGenerator, BlockerKind::kAutocastCache, BlockerKind::kOther}) {
+    EXPECT_EQ(blocker_kind_from_name(blocker_kind_name(kind)), kind);
+  }
+  EXPECT_EQ(blocker_kind_name(BlockerKind::kHostRead), "host_read");
+  EXPECT_THROW_WITH(blocker_kind_from_name("host read"), Error,
+                    "Expected a capture blocker kind, one of 'host_read', 'data_dependent_shape'");
 }
 
 SourceFrame frame(std::string file, int line, std::string function, bool user) {

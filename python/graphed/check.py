@@ -1,0 +1,157 @@
+"""graphed.check: run a function once and name everything in it that would break CUDA graph capture."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, List, Tuple
+
+import torch
+
+from . import _C
+from .capture import _describe
+
+
+def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _C.SafetyReport:
+    """Run ``fn(*args, **kwargs)`` once, eagerly, and report what would break capture.
+
+    Every operation that breaks or spoils CUDA graph capture is reported with
+    its kind, the operator, its tensor inputs, why it breaks capture, the fix
+    and the line of your code that called it: host reads (``.item()``,
+    ``bool(t)``, ``.tolist()``), data-dependent shapes (``nonzero``,
+    ``masked_select``, ``unique``, ``x[mask]``), explicit syncs
+    (``torch.cuda.synchronize``, event and stream ``synchronize``),
+    host-device copies (``.cpu()``, ``.to("cpu")``, CUDA tensors built from
+    Python lists or NumPy arrays), CPU tensors in GPU work, random numbers
+    from non-default generators, and autocast with its cache on.
+
+    It works on CPU tensors too: then it reports what would break once the
+    tensors live on the GPU (``report.ran_on_gpu`` is False), so it runs in CI
+    and on laptops. ``fn`` runs as you would run it (grad mode as it is); a
+    module's buffers and the default random generators are restored
+    afterwards, also when ``fn`` raises, and its exception propagates.
+
+    Returns a :class:`graphed.SafetyReport`: true when anything was found,
+    ``str()`` is the report for people, ``.findings`` the findings (``kind``,
+    ``op``, ``inputs``, ``why``, ``fix``, ``file``, ``line``, ``function``,
+    ``count``), ``.to_dict()`` the JSON form.
+
+    Operations found through Python (the syncs, ``tolist``, ``.cpu()``,
+    ``torch.tensor``) are found when called through ``torch``'s attributes
+    (``torch.cuda.synchronize()``, ``x.tolist()``), not through a name bound
+    before the check (``from torch.cuda import synchronize``).
+    """
+    state: List[torch.Tensor] = []
+    if isinstance(fn, torch.nn.Module):
+        state = list(fn.buffers())
+    with _host_call_shims():
+        return _C.check_safety(lambda: fn(*args, **kwargs), state, _describe(fn))
+
+
+# Host calls that never reach ATen's dispatcher are recorded by wrapping them
+# for the duration of the pass; see Note [How the safety check observes] in
+# src/safety_check.cpp. Each wrapper records the call, then runs it with the
+# check ignoring its operators (one finding per call).
+
+
+def _sync_shim(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def synchronize(*args: Any, **kwargs: Any) -> Any:
+        _C.record_host_blocker("explicit_sync", call, [])
+        if not torch.cuda.is_available():
+            return None  # Nothing to wait for, and torch would raise without a GPU.
+        with _C.quiet_operators():
+            return original(*args, **kwargs)
+
+    return synchronize
+
+
+def _tensor_method_shim(kind: str, call: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        _C.record_host_blocker(kind, call, [self])
+        with _C.quiet_operators():
+            return original(self, *args, **kwargs)
+
+    return method
+
+
+def _to_shim(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Only a device spelled "cpu" is an explicit move to the host; a device
+    # object may be the tensor's own (x.to(y.device)), a no-op anywhere.
+    @functools.wraps(original)
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, str) and (target == "cpu" or target.startswith("cpu:")):
+            _C.record_host_blocker("host_device_copy", "Tensor.to('cpu')", [self])
+            with _C.quiet_operators():
+                return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _from_host_data(call: str, data: Any, device: Any, build: Callable[[Any], Any]) -> Any:
+    if isinstance(data, torch.Tensor):
+        return build(device)
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    if not _C.record_tensor_from_host_data(call, target):
+        return build(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        # Recorded; build it on the CPU so that the rest of the function can be checked.
+        device = "cpu"
+    with _C.quiet_operators():
+        return build(device)
+
+
+def _tensor_shim(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def tensor(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        return _from_host_data("torch.tensor", data, device,
+                               lambda target: original(data, *args, device=target, **kwargs))
+
+    return tensor
+
+
+def _as_tensor_shim(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def as_tensor(data: Any, dtype: Any = None, device: Any = None) -> Any:
+        return _from_host_data("torch.as_tensor", data, device,
+                               lambda target: original(data, dtype=dtype, device=target))
+
+    return as_tensor
+
+
+def _shims() -> List[Tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
+    return [
+        (torch.cuda, "synchronize", functools.partial(_sync_shim, "torch.cuda.synchronize")),
+        (torch.cuda.Event, "synchronize",
+         functools.partial(_sync_shim, "torch.cuda.Event.synchronize")),
+        (torch.cuda.Stream, "synchronize",
+         functools.partial(_sync_shim, "torch.cuda.Stream.synchronize")),
+        (torch.Tensor, "tolist", functools.partial(_tensor_method_shim, "host_read", "Tensor.tolist")),
+        (torch.Tensor, "cpu",
+         functools.partial(_tensor_method_shim, "host_device_copy", "Tensor.cpu")),
+        (torch.Tensor, "to", _to_shim),
+        (torch, "tensor", _tensor_shim),
+        (torch, "as_tensor", _as_tensor_shim),
+    ]
+
+
+@contextlib.contextmanager
+def _host_call_shims() -> Iterator[None]:
+    """Wraps the host calls of _shims() while the block runs; restores them all afterwards."""
+    restore: List[Tuple[Any, str, bool, Any]] = []
+    try:
+        for owner, name, make in _shims():
+            own = name in vars(owner)  # else inherited, e.g. Tensor.tolist from TensorBase
+            original = vars(owner).get(name)
+            setattr(owner, name, make(getattr(owner, name)))
+            restore.append((owner, name, own, original))
+        yield
+    finally:
+        for owner, name, own, original in reversed(restore):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)

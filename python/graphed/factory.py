@@ -1,0 +1,103 @@
+"""Workload factories of the command line: ``MODULE:FACTORY`` names a callable that builds the workload."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Tuple
+
+_EXPECTED = (
+    "a factory returns (fn, args) or (fn, args, kwargs): fn a callable, args a tuple or list of "
+    "its positional arguments, kwargs a dict of its keyword arguments"
+)
+
+
+class FactoryError(Exception):
+    """The factory could not be imported, raised, or returned something else than a workload.
+
+    The message names the factory and says what was expected. ``details`` holds
+    the traceback of an exception the factory or its import raised, or "".
+    """
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+@dataclass
+class Workload:
+    """A function and the arguments to call it with."""
+
+    fn: Callable[..., Any]
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def load_workload(spec: str) -> Workload:
+    """Imports ``MODULE:FACTORY`` (e.g. ``my_pkg.workloads:make_step``), calls the factory and
+    checks what it returned. The current directory is importable, as with ``python -m``.
+
+    Raises:
+        FactoryError: the message names the factory and what was expected.
+    """
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise FactoryError(
+            f"expected MODULE:FACTORY, e.g. my_pkg.workloads:make_step, got {spec!r}; {_EXPECTED}"
+        )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's to see
+        # A module that is not there needs no traceback; one that fails while importing does.
+        missing = isinstance(error, ModuleNotFoundError) and error.name is not None and (
+            module_name == error.name or module_name.startswith(error.name + ".")
+        )
+        raise FactoryError(
+            f"cannot import module {module_name!r} of factory {spec!r}: "
+            f"{type(error).__name__}: {error}. The module must be importable from the current "
+            "directory or PYTHONPATH.",
+            "" if missing else traceback.format_exc(),
+        ) from error
+    factory: Any = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise FactoryError(
+                f"module {module_name!r} has no attribute {attribute!r}, so factory {spec!r} does "
+                f"not exist; expected a function there that builds the workload ({_EXPECTED})"
+            )
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise FactoryError(
+            f"factory {spec!r} is a {type(factory).__name__}, not a callable; expected a function "
+            f"that builds the workload ({_EXPECTED})"
+        )
+    try:
+        result = factory()
+    except Exception as error:  # noqa: BLE001 - the user's factory may raise anything
+        raise FactoryError(
+            f"factory {spec!r} raised {type(error).__name__}: {error}",
+            traceback.format_exc(),
+        ) from error
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        problem = f"returned {_describe(result)}"
+    elif not callable(result[0]):
+        problem = f"returned fn (the first element) {_describe(result[0])}, which is not callable"
+    elif not isinstance(result[1], (tuple, list)):
+        problem = f"returned args (the second element) {_describe(result[1])}"
+    elif len(result) == 3 and not isinstance(result[2], dict):
+        problem = f"returned kwargs (the third element) {_describe(result[2])}"
+    else:
+        return Workload(result[0], tuple(result[1]), dict(result[2]) if len(result) == 3 else {})
+    raise FactoryError(f"factory {spec!r} {problem}; {_EXPECTED}")

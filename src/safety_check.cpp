@@ -1,0 +1,637 @@
+#include "graphed/safety_check.h"
+
+#include "graphed/check.h"
+#include "graphed/signature.h"
+#include "graphed/state_snapshot.h"
+
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <sstream>
+#include <utility>
+
+namespace graphed {
+
+// Note [How the safety check observes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// check_safety runs the function once, eagerly, under a thread-local
+// RecordFunction callback that needs inputs (the CaptureWatcher's approach).
+// Every operator reaches the callback before its kernel runs, with all of its
+// arguments: tensors (devices, dtypes, shapes), generators, the target device
+// of a copy. The callback classifies the operator by the rules of
+// classify_operator(). Nothing is captured, so one pass sees every blocker,
+// where a real capture stops at the first. Torch carries thread-local
+// callbacks into autograd's worker threads, so a function that calls
+// backward() is checked there too (without a source line: those threads run
+// no Python).
+//
+// Some blockers never reach the dispatcher: torch.cuda.synchronize,
+// Tensor.tolist, a CUDA tensor built from a Python list. The host language
+// reports them through record_host_blocker() and
+// record_tensor_from_host_data(); the Python adapter wraps those functions
+// for the duration of the pass.
+
+// Note [One finding per user call]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// One call in the user's program often runs a chain of operators: `.item()`
+// is aten::item calling aten::_local_scalar_dense, `x[mask]` is aten::index
+// calling aten::nonzero, `.to("cuda")` is aten::to calling _to_copy and
+// copy_. Only the outermost operator that blocks capture is reported, and the
+// operators it runs are not inspected; nor are those of a host call already
+// recorded (QuietOperatorsGuard). Findings are then counted per (kind,
+// operation, source line), so a loop calling `.item()` a hundred times is one
+// finding with count 100. The autocast cache is one finding for the whole
+// pass: it has one cause (cache_enabled of the autocast region) and one fix.
+
+// Note [Checking on CPU tensors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A pass on CPU tensors cannot copy between host and device and cannot mix
+// CPU tensors into GPU work. What it does see is everything whose effect
+// depends on the operation rather than the device: host reads,
+// data-dependent shapes, explicit syncs, non-default generators, the autocast
+// cache. These are reported as predictions (SafetyFinding::predicted): they
+// break capture once the tensors live on the GPU. Explicit moves to the host
+// (`.cpu()`, `.to("cpu")` with the device spelled out; reported by the host
+// language) are predictions too: device-to-host copies on a GPU, no-ops on
+// the CPU. `.to(x.device)` is not reported on the CPU: device-agnostic code
+// passes the tensor's own device, which is a no-op on either.
+//
+// A pass that ran work on a CUDA device sees the real copies and syncs, so
+// there the predictions resting on CPU tensors are dropped from the report:
+// `.item()` of a CPU step counter, or `.cpu()` of a CPU tensor, costs a
+// captured GPU graph nothing.
+
+// Note [Operators inside CPU kernels]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A CPU kernel is host code: it may read its inputs with `.item()` or size
+// its output from their values (index_put_'s CPU path reads its scalar value
+// through aten::item), and that says nothing about the CUDA kernel of the
+// same operator. So a host read or a data-dependent operator on CPU tensors
+// that runs inside another operator is not reported. The same inside an
+// operator on CUDA tensors is (a CUDA kernel that reads a value back syncs).
+// Operators called by the user's program, or by autograd for a backward node,
+// are judged on their own.
+
+namespace {
+
+// An operator or autograd node running on this thread.
+struct RunningRecord {
+  std::string name;
+  // An operator (FUNCTION scope) rather than an autograd node.
+  bool is_operator = false;
+  // Operators running inside this record are not inspected: this record was
+  // reported, or runs inside one that was. See Note [One finding per user call].
+  bool silences_nested = false;
+};
+
+thread_local std::vector<RunningRecord> running_records;
+thread_local int quiet_depth = 0;
+
+// Collects the findings of one pass; shared with autograd's worker threads.
+class Recorder {
+ public:
+  void add(SafetyFinding finding) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (SafetyFinding& seen : findings_) {
+      if (same_place(seen, finding)) {
+        ++seen.count;
+        return;
+      }
+    }
+    findings_.push_back(std::move(finding));
+  }
+
+  void note_operator() { operators_.fetch_add(1, std::memory_order_relaxed); }
+  void note_gpu_work() { ran_on_gpu_.store(true, std::memory_order_relaxed); }
+
+  SafetyReport report(std::string description) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool ran_on_gpu = ran_on_gpu_.load();
+    std::vector<SafetyFinding> kept;
+    for (SafetyFinding& finding : findings_) {
+      // See Note [Checking on CPU tensors].
+      if (!(ran_on_gpu && finding.predicted)) {
+        kept.push_back(std::move(finding));
+      }
+    }
+    return SafetyReport(std::move(description), std::move(kept), ran_on_gpu, operators_.load());
+  }
+
+ private:
+  static bool same_place(const SafetyFinding& a, const SafetyFinding& b) {
+    if (a.kind != b.kind || a.predicted != b.predicted) {
+      return false;
+    }
+    if (a.kind == BlockerKind::kAutocastCache) {
+      return true;  // See Note [One finding per user call].
+    }
+    return a.op == b.op && a.where() == b.where();
+  }
+
+  std::mutex mutex_;
+  std::vector<SafetyFinding> findings_;
+  std::atomic<int64_t> operators_{0};
+  std::atomic<bool> ran_on_gpu_{false};
+};
+
+// The recorder of the running check. A global rather than thread-local
+// pointer for the reason the CaptureWatcher gives: autograd's worker threads
+// run the callbacks of the thread that started backward().
+std::atomic<Recorder*> active_recorder{nullptr};
+
+std::optional<SourceFrame> innermost_user_frame() {
+  std::vector<SourceFrame> stack;
+  try {
+    stack = current_source_stack();
+  } catch (const std::exception&) {
+    return std::nullopt;  // A locator that fails leaves the finding without a line.
+  }
+  for (SourceFrame& frame : stack) {
+    if (frame.is_user_code) {
+      return std::move(frame);
+    }
+  }
+  return std::nullopt;
+}
+
+void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& tensors, int depth = 0) {
+  if (value.isTensor()) {
+    if (value.toTensor().defined()) {
+      tensors.push_back(value.toTensor());
+    }
+    return;
+  }
+  // Operators take tensors directly or in one list (cat, index's indices);
+  // deeper nesting does not occur in ATen schemas.
+  if (depth > 1) {
+    return;
+  }
+  if (value.isList()) {
+    for (const c10::IValue& element : value.toListRef()) {
+      collect_tensors(element, tensors, depth + 1);
+    }
+  } else if (value.isTuple()) {
+    for (const c10::IValue& element : value.toTupleRef().elements()) {
+      collect_tensors(element, tensors, depth + 1);
+    }
+  }
+}
+
+std::vector<at::Tensor> tensors_of(const c10::IValue& value) {
+  std::vector<at::Tensor> tensors;
+  collect_tensors(value, tensors);
+  return tensors;
+}
+
+std::string describe_tensors(const std::vector<at::Tensor>& tensors) {
+  constexpr size_t kMaxDescribed = 4;
+  std::ostringstream out;
+  for (size_t i = 0; i < tensors.size() && i < kMaxDescribed; ++i) {
+    out << (i == 0 ? "" : ", ") << describe_tensor(tensors[i]);
+  }
+  if (tensors.size() > kMaxDescribed) {
+    out << " and " << tensors.size() - kMaxDescribed << " more";
+  }
+  return out.str();
+}
+
+bool any_cuda(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& tensor : tensors) {
+    if (tensor.is_cuda()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool crosses_host_and_device(c10::Device a, c10::Device b) {
+  return (a.is_cpu() && b.is_cuda()) || (a.is_cuda() && b.is_cpu());
+}
+
+bool is_boolean_mask(const at::Tensor& tensor) {
+  return tensor.scalar_type() == at::kBool || tensor.scalar_type() == at::kByte;
+}
+
+bool any_boolean_mask(const c10::IValue& indices) {
+  for (const at::Tensor& index : tensors_of(indices)) {
+    if (is_boolean_mask(index)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool is_copy_operator(std::string_view name) {
+  return name == "aten::copy_" || name == "aten::to" || name == "aten::_to_copy" ||
+         name == "aten::_copy_from" || name == "aten::_copy_from_and_resize";
+}
+
+// One operator as the start callback sees it.
+struct OperatorCall {
+  std::string_view name;
+  c10::ArrayRef<const c10::IValue> inputs;
+  std::vector<at::Tensor> tensors;
+  bool on_gpu = false;
+  bool inside_operator = false;
+};
+
+SafetyFinding finding(BlockerKind kind, const OperatorCall& call, std::string detail,
+                      bool predicted) {
+  SafetyFinding result;
+  result.kind = kind;
+  result.op = std::string(call.name);
+  result.inputs = describe_tensors(call.tensors);
+  result.detail = std::move(detail);
+  result.predicted = predicted;
+  return result;
+}
+
+// repeat_interleave sizes its output from the values of a repeats tensor,
+// unless output_size says the total; with an integer repeats it is static.
+bool repeat_interleave_reads_sizes(const OperatorCall& call) {
+  const auto& inputs = call.inputs;
+  // Overloads: (Tensor repeats, output_size), (Tensor self, Tensor repeats,
+  // dim, output_size), (Tensor self, int repeats, dim, output_size).
+  const bool tensor_repeats = (inputs.size() == 2 && inputs[0].isTensor()) ||
+                              (inputs.size() == 4 && inputs[1].isTensor());
+  return tensor_repeats && inputs.back().isNone();
+}
+
+// Host reads, data-dependent shapes and syncs: by the operator's name, with
+// boolean-mask indexing and one-argument torch.where by their arguments.
+std::optional<SafetyFinding> host_dependency(const OperatorCall& call) {
+  std::optional<BlockerKind> kind = blocker_kind_of_operator(call.name);
+  std::string detail;
+  if (kind == BlockerKind::kDataDependentShape && call.name == "aten::repeat_interleave" &&
+      !repeat_interleave_reads_sizes(call)) {
+    kind.reset();
+  }
+  if (!kind && call.name == "aten::index" && call.inputs.size() >= 2 &&
+      any_boolean_mask(call.inputs[1])) {
+    kind = BlockerKind::kDataDependentShape;
+    detail = "indexes with a boolean mask (x[mask]): the result has one row per True value";
+  }
+  if (!kind &&
+      (call.name == "aten::index_put_" || call.name == "aten::index_put" ||
+       call.name == "aten::_index_put_impl_") &&
+      call.inputs.size() >= 3 && call.inputs[2].isTensor() && any_boolean_mask(call.inputs[1])) {
+    // x[mask] = scalar becomes masked_fill_, which keeps shapes static; only
+    // assigning a tensor of values needs the positions of the True values.
+    const at::Tensor& values = call.inputs[2].toTensor();
+    if (!(values.numel() == 1 && values.is_cpu())) {
+      kind = BlockerKind::kDataDependentShape;
+      detail = "assigns through a boolean mask (x[mask] = values): it must count the True values";
+    }
+  }
+  if (!kind && call.name == "aten::where" && call.inputs.size() == 1) {
+    kind = BlockerKind::kDataDependentShape;
+    detail = "torch.where(condition) with one argument returns the positions of True values";
+  }
+  if (!kind) {
+    return std::nullopt;
+  }
+  if (call.inside_operator && !call.on_gpu) {
+    return std::nullopt;  // See Note [Operators inside CPU kernels].
+  }
+  return finding(*kind, call, std::move(detail), /*predicted=*/!call.on_gpu);
+}
+
+std::optional<SafetyFinding> host_device_copy(const OperatorCall& call) {
+  const auto& inputs = call.inputs;
+  if (inputs.empty() || !inputs[0].isTensor() || !inputs[0].toTensor().defined()) {
+    return std::nullopt;
+  }
+  const c10::Device source_or_destination = inputs[0].toTensor().device();
+  if (call.name == "aten::copy_" && inputs.size() >= 2 && inputs[1].isTensor()) {
+    const c10::Device source = inputs[1].toTensor().device();
+    if (crosses_host_and_device(source, source_or_destination)) {
+      return finding(BlockerKind::kHostDeviceCopy, call,
+                     c10::str("copies ", source, " to ", source_or_destination), false);
+    }
+    return std::nullopt;
+  }
+  if (call.name != "aten::to" && call.name != "aten::_to_copy") {
+    return std::nullopt;
+  }
+  std::optional<c10::Device> target;
+  for (size_t i = 1; i < inputs.size() && !target; ++i) {
+    if (inputs[i].isDevice()) {
+      target = inputs[i].toDevice();
+    }
+  }
+  if (!target && inputs.size() >= 2 && inputs[1].isTensor()) {
+    target = inputs[1].toTensor().device();  // x.to(other)
+  }
+  if (target && crosses_host_and_device(source_or_destination, *target)) {
+    return finding(BlockerKind::kHostDeviceCopy, call,
+                   c10::str("copies ", source_or_destination, " to ", *target), false);
+  }
+  return std::nullopt;
+}
+
+std::optional<SafetyFinding> cpu_tensor_in_gpu_work(const OperatorCall& call) {
+  if (!call.on_gpu || is_copy_operator(call.name)) {
+    return std::nullopt;
+  }
+  c10::Device gpu(c10::kCUDA);
+  for (const at::Tensor& tensor : call.tensors) {
+    if (tensor.is_cuda()) {
+      gpu = tensor.device();
+      break;
+    }
+  }
+  for (const at::Tensor& tensor : call.tensors) {
+    // Torch accepts 0-dim CPU tensors in GPU work as scalar arguments.
+    if (tensor.is_cpu() && tensor.dim() > 0) {
+      return finding(BlockerKind::kCpuTensor, call,
+                     c10::str("the CPU tensor ", describe_tensor(tensor), " is an input of work on ",
+                              gpu),
+                     false);
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<SafetyFinding> unregistered_generator(const OperatorCall& call) {
+  for (const c10::IValue& input : call.inputs) {
+    if (!input.isGenerator()) {
+      continue;
+    }
+    const at::Generator generator = input.toGenerator();
+    if (!generator.defined()) {
+      continue;
+    }
+    const c10::Device device = generator.device();
+    if (generator == at::globalContext().defaultGenerator(device)) {
+      continue;
+    }
+    return finding(BlockerKind::kUnregisteredGenerator, call,
+                   c10::str("draws from a torch.Generator on ", device,
+                            " that is not the default generator"),
+                   /*predicted=*/device.is_cpu());
+  }
+  return std::nullopt;
+}
+
+// Autocast caches its low-precision copy of a float32 leaf tensor that
+// requires grad (a weight) while the cache is enabled; see cached_cast in
+// ATen/autocast_mode.h. Judged at the operator the program called, before
+// autocast's own casts run inside it.
+std::optional<SafetyFinding> autocast_cache(const OperatorCall& call) {
+  if (call.inside_operator || !at::autocast::is_autocast_cache_enabled()) {
+    return std::nullopt;
+  }
+  for (const at::Tensor& tensor : call.tensors) {
+    if (!(tensor.is_cpu() || tensor.is_cuda()) || tensor.scalar_type() != at::kFloat ||
+        !tensor.requires_grad() || !tensor.is_leaf()) {
+      continue;
+    }
+    const c10::DeviceType device_type = tensor.device().type();
+    if (!at::autocast::is_autocast_enabled(device_type)) {
+      continue;
+    }
+    return finding(BlockerKind::kAutocastCache, call,
+                   c10::str("runs under torch.autocast(\"", c10::DeviceTypeName(device_type, true),
+                            "\") with cache_enabled=True, which caches a low-precision copy of the "
+                            "weight ",
+                            describe_tensor(tensor)),
+                   /*predicted=*/tensor.is_cpu());
+  }
+  return std::nullopt;
+}
+
+using Rule = std::optional<SafetyFinding> (*)(const OperatorCall&);
+constexpr Rule kRules[] = {host_dependency, host_device_copy, cpu_tensor_in_gpu_work,
+                           unregistered_generator, autocast_cache};
+
+// Every rule that `call` breaks; see the Notes above.
+std::vector<SafetyFinding> classify_operator(const OperatorCall& call) {
+  std::vector<SafetyFinding> findings;
+  for (Rule rule : kRules) {
+    if (std::optional<SafetyFinding> found = rule(call)) {
+      findings.push_back(std::move(*found));
+    }
+  }
+  return findings;
+}
+
+bool is_gpu_work(const OperatorCall& call) {
+  if (any_cuda(call.tensors)) {
+    return true;
+  }
+  for (const c10::IValue& input : call.inputs) {
+    if ((input.isDevice() && input.toDevice().is_cuda()) ||
+        (input.isGenerator() && input.toGenerator().defined() &&
+         input.toGenerator().device().is_cuda())) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void inspect_operator(const at::RecordFunction& fn, Recorder& recorder, bool silenced,
+                      bool inside_operator) {
+  OperatorCall call;
+  call.name = fn.name();
+  call.inputs = fn.inputs();
+  for (const c10::IValue& input : call.inputs) {
+    collect_tensors(input, call.tensors);
+  }
+  call.on_gpu = is_gpu_work(call);
+  call.inside_operator = inside_operator;
+  if (call.on_gpu) {
+    recorder.note_gpu_work();
+  }
+  if (silenced) {
+    return;
+  }
+  std::vector<SafetyFinding> findings = classify_operator(call);
+  if (findings.empty()) {
+    return;
+  }
+  running_records.back().silences_nested = true;
+  const std::optional<SourceFrame> location = innermost_user_frame();
+  const size_t depth = running_records.size();
+  const std::string inside = depth >= 2 ? running_records[depth - 2].name : "";
+  for (SafetyFinding& found : findings) {
+    found.location = location;
+    found.inside = inside;
+    recorder.add(std::move(found));
+  }
+}
+
+std::unique_ptr<at::ObserverContext> on_record_start(const at::RecordFunction& fn) {
+  const bool is_operator = fn.scope() == at::RecordScope::FUNCTION;
+  const bool inside_operator = !running_records.empty() && running_records.back().is_operator;
+  const bool silenced =
+      quiet_depth > 0 || (!running_records.empty() && running_records.back().silences_nested);
+  running_records.push_back(RunningRecord{fn.name(), is_operator, silenced});
+  Recorder* recorder = active_recorder.load(std::memory_order_acquire);
+  if (recorder == nullptr || !is_operator) {
+    return nullptr;
+  }
+  recorder->note_operator();
+  try {
+    inspect_operator(fn, *recorder, silenced, inside_operator);
+  } catch (const std::exception& error) {
+    // Never break the user's operator: the check misses this one and says so.
+    TORCH_WARN_ONCE("graphed.check could not inspect operator ", fn.name(), ": ", error.what());
+  }
+  return nullptr;
+}
+
+void on_record_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*unused*/) {
+  if (!running_records.empty()) {
+    running_records.pop_back();
+  }
+}
+
+// Observes this thread's operators (and the autograd threads it starts) while
+// alive. See Note [How the safety check observes].
+class ObservedPass {
+ public:
+  explicit ObservedPass(Recorder& recorder) {
+    Recorder* expected = nullptr;
+    GRAPHED_CHECK(active_recorder.compare_exchange_strong(expected, &recorder),
+                  "Expected one safety check at a time, but a check is already running (nested "
+                  "in the function being checked, or on another thread). Run checks one after "
+                  "another.");
+    running_records.clear();
+    callback_handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(on_record_start, on_record_end)
+            .needsInputs(true)
+            .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+  }
+  ~ObservedPass() {
+    at::removeCallback(callback_handle_);
+    running_records.clear();
+    active_recorder.store(nullptr, std::memory_order_release);
+  }
+  ObservedPass(const ObservedPass&) = delete;
+  ObservedPass& operator=(const ObservedPass&) = delete;
+
+ private:
+  at::CallbackHandle callback_handle_ = 0;
+};
+
+}  // namespace
+
+std::string SafetyFinding::where() const {
+  return location ? describe_user_frame({*location}) : "";
+}
+
+SafetyReport::SafetyReport(std::string description, std::vector<SafetyFinding> findings,
+                           bool ran_on_gpu, int64_t operators_observed)
+    : description_(std::move(description)),
+      findings_(std::move(findings)),
+      ran_on_gpu_(ran_on_gpu),
+      operators_observed_(operators_observed) {}
+
+std::string SafetyReport::to_string() const {
+  std::ostringstream out;
+  out << "graphed.check of " << description_ << ": ";
+  if (findings_.empty()) {
+    out << "no capture blockers among " << operators_observed_ << " operators.";
+  } else {
+    int64_t occurrences = 0;
+    for (const SafetyFinding& finding : findings_) {
+      occurrences += finding.count;
+    }
+    out << findings_.size() << " capture blocker" << (findings_.size() == 1 ? "" : "s") << " ("
+        << occurrences << " occurrence" << (occurrences == 1 ? "" : "s") << ") among "
+        << operators_observed_ << " operators.";
+  }
+  for (size_t i = 0; i < findings_.size(); ++i) {
+    const SafetyFinding& finding = findings_[i];
+    const BlockerInfo& info = finding.info();
+    out << "\n\n" << i + 1 << ". " << info.label << ": `" << finding.op << "`";
+    if (!finding.inside.empty()) {
+      out << " (inside `" << finding.inside << "`)";
+    }
+    const std::string where = finding.where();
+    out << (where.empty() ? " (no source line: no user code on the stack)" : " at " + where);
+    if (finding.count > 1) {
+      out << ", " << finding.count << " times";
+    }
+    if (!finding.inputs.empty()) {
+      out << "\n   inputs: " << finding.inputs;
+    }
+    if (!finding.detail.empty()) {
+      out << "\n   seen:   " << finding.detail;
+    }
+    out << "\n   why:    " << info.why;
+    out << "\n   fix:    " << info.fix;
+  }
+  if (!ran_on_gpu_) {
+    out << "\n\nThis pass ran on CPU tensors only: it reports what would break once they live on "
+           "the GPU. Host-device copies and CPU tensors mixed into GPU work show up only in a "
+           "pass on the GPU.";
+  }
+  return out.str();
+}
+
+SafetyReport check_safety(const std::function<void()>& run_once,
+                          const SafetyCheckOptions& options) {
+  GRAPHED_CHECK(static_cast<bool>(run_once),
+                "Expected a function to check, got an empty std::function.");
+  std::optional<c10::Device> cuda_device;
+  if (c10::cuda::device_count() > 0) {
+    cuda_device = c10::Device(c10::kCUDA, c10::cuda::current_device());
+  }
+  const StateSnapshot snapshot = StateSnapshot::take(options.state, cuda_device);
+  Recorder recorder;
+  try {
+    ObservedPass pass(recorder);
+    run_once();
+  } catch (...) {
+    snapshot.restore();
+    throw;
+  }
+  snapshot.restore();
+  return recorder.report(options.description);
+}
+
+bool record_host_blocker(BlockerKind kind, std::string_view call,
+                         const std::vector<at::Tensor>& tensors, std::string detail) {
+  Recorder* recorder = active_recorder.load(std::memory_order_acquire);
+  if (recorder == nullptr || quiet_depth > 0) {
+    return false;  // No check, or inside a host call recorded already.
+  }
+  const bool on_gpu = any_cuda(tensors);
+  if (on_gpu) {
+    recorder->note_gpu_work();
+  }
+  SafetyFinding found;
+  found.kind = kind;
+  found.op = std::string(call);
+  found.inputs = describe_tensors(tensors);
+  found.detail = std::move(detail);
+  // See Note [Checking on CPU tensors]; a sync acts on no tensor and is real anywhere.
+  found.predicted = !tensors.empty() && !on_gpu;
+  found.location = innermost_user_frame();
+  recorder->add(std::move(found));
+  return true;
+}
+
+bool record_tensor_from_host_data(std::string_view call, c10::Device target) {
+  if (!target.is_cuda()) {
+    // A CPU tensor from host data is host work; if it meets GPU work later,
+    // that operator is reported (kCpuTensor, kHostDeviceCopy).
+    return false;
+  }
+  return record_host_blocker(BlockerKind::kHostDeviceCopy, call, {},
+                             c10::str("builds a tensor on ", target,
+                                      " from host data (a Python list or number, a NumPy array) "
+                                      "on every call"));
+}
+
+QuietOperatorsGuard::QuietOperatorsGuard() { ++quiet_depth; }
+
+QuietOperatorsGuard::~QuietOperatorsGuard() { --quiet_depth; }
+
+}  // namespace graphed
