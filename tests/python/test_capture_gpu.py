@@ -1,6 +1,7 @@
 """graphed.capture on a GPU: replay on current inputs, signatures, module state,
 capture failures that name their cause and leave everything usable."""
 
+import gc
 import inspect
 
 import pytest
@@ -216,6 +217,7 @@ def nonzero_inside(x):
 )
 def test_capture_failure_names_the_operation_line_and_fix(fn, marker, op, kind):
     x = torch.ones(4, device="cuda")
+    gc.collect()  # garbage of earlier tests must not be freed during this one
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     rng = torch.cuda.get_rng_state()
@@ -232,7 +234,7 @@ def test_capture_failure_names_the_operation_line_and_fix(fn, marker, op, kind):
     # Nothing leaked: the pool is gone, the generator untouched, and the stream
     # captures a good function next.
     torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() == reserved
+    assert torch.cuda.memory_reserved() <= reserved, "the failed capture's pool leaked"
     assert torch.equal(torch.cuda.get_rng_state(), rng)
     good = graphed.capture(lambda t: t * 4, x)
     torch.testing.assert_close(good(x), torch.full((4,), 4.0, device="cuda"))
