@@ -20,8 +20,8 @@ test: install
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
-	@$(PYTHON) -c "import scikit_build_core, pytest" 2>/dev/null || \
-		$(PIP) install "scikit-build-core>=0.10" pytest
+	@$(PYTHON) -c "import scikit_build_core, pytest, numpy" 2>/dev/null || \
+		$(PIP) install "scikit-build-core>=0.10" pytest numpy
 	@command -v cmake >/dev/null && command -v ninja >/dev/null || $(PIP) install cmake ninja
 	@[ -f /usr/src/googletest/CMakeLists.txt ] || [ -n "$$GRAPHED_GTEST_SOURCE_DIR" ] || \
 		$(SUDO) apt-get install -y -q libgtest-dev >/dev/null || \

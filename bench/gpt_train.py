@@ -14,7 +14,7 @@ import torch
 import graphed
 from graphed import measure, workloads
 
-from harness import Method, prepare, time_methods
+from harness import Method, workload_record, prepare, time_methods
 
 COMPILE_MODE_WITHOUT_GRAPHS = "default"
 LR = 1e-4
@@ -106,15 +106,4 @@ def run(quick: bool = False) -> Dict[str, Any]:
     time_methods(methods, iters=iters, repeats=repeats)
     floor_ms, activities = measure.kernel_floor_ms(eager_step(copy.deepcopy(base), tokens, targets))
 
-    records = {}
-    for name, method in methods.items():
-        record = dict(method.record)
-        record["ratio_to_floor"] = round(record["ms"] / floor_ms, 3)
-        record["speedup_vs_eager"] = round(methods["eager"].record["ms"] / record["ms"], 3)
-        records[name] = record
-    return {
-        "description": workloads.GPT_TRAIN_DESCRIPTION,
-        "kernel_floor_ms": round(floor_ms, 4),
-        "gpu_activities_per_iter": activities,
-        "methods": records,
-    }
+    return workload_record(methods, floor_ms, activities, workloads.GPT_TRAIN_DESCRIPTION)

@@ -58,3 +58,21 @@ def time_methods(methods: Dict[str, Method], *, iters: int, repeats: int) -> Non
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+def workload_record(methods: Dict[str, Method], floor_ms: float, activities: float,
+                    description: str) -> Dict[str, Any]:
+    """The JSON record of a timed workload: each method's numbers with its ratio
+    to the kernel floor and its speedup over the ``eager`` method."""
+    records = {}
+    for name, method in methods.items():
+        record = dict(method.record)
+        record["ratio_to_floor"] = round(record["ms"] / floor_ms, 3)
+        record["speedup_vs_eager"] = round(methods["eager"].record["ms"] / record["ms"], 3)
+        records[name] = record
+    return {
+        "description": description,
+        "kernel_floor_ms": round(floor_ms, 4),
+        "gpu_activities_per_iter": activities,
+        "methods": records,
+    }

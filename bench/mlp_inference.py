@@ -11,7 +11,7 @@ import torch
 import graphed
 from graphed import measure, workloads
 
-from harness import Method, max_abs_diff, prepare, time_methods
+from harness import Method, workload_record, max_abs_diff, prepare, time_methods
 
 # The mode of torch.compile whose kernels graphed captures: the same fusion as
 # "reduce-overhead", without its cudagraphs, so the comparison isolates the graph mechanism.
@@ -80,15 +80,4 @@ def run(quick: bool = False) -> Dict[str, Any]:
             method.record["max_abs_diff_vs_eager"] = max_abs_diff(got, expected)
         time_methods(methods, iters=iters, repeats=repeats)
 
-    records = {}
-    for name, method in methods.items():
-        record = dict(method.record)
-        record["ratio_to_floor"] = round(record["ms"] / floor_ms, 3)
-        record["speedup_vs_eager"] = round(methods["eager"].record["ms"] / record["ms"], 3)
-        records[name] = record
-    return {
-        "description": workloads.MLP_INFERENCE_DESCRIPTION,
-        "kernel_floor_ms": round(floor_ms, 4),
-        "gpu_activities_per_iter": activities,
-        "methods": records,
-    }
+    return workload_record(methods, floor_ms, activities, workloads.MLP_INFERENCE_DESCRIPTION)

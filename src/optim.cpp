@@ -56,8 +56,19 @@ std::vector<StepGroup> step_groups(const std::vector<at::Tensor>& params,
   return result;
 }
 
-void zero_gradients(const std::vector<at::Tensor>& params, bool set_to_none) {
-  for (at::Tensor p : params) {
+}  // namespace
+
+CapturableOptimizer::CapturableOptimizer(std::vector<at::Tensor> params, double lr,
+                                         const char* name)
+    : params_(std::move(params)), lr_value_(lr) {
+  check_params(params_, name);
+  GRAPHED_CHECK(lr >= 0, name, " expected a learning rate >= 0, got ", lr, ".");
+  c10::NoGradGuard no_grad;
+  lr_ = at::full({}, lr, at::TensorOptions().device(params_[0].device()).dtype(at::kFloat));
+}
+
+void CapturableOptimizer::zero_grad(bool set_to_none) {
+  for (at::Tensor p : params_) {
     at::Tensor& grad = p.mutable_grad();
     if (!grad.defined()) {
       continue;
@@ -71,16 +82,26 @@ void zero_gradients(const std::vector<at::Tensor>& params, bool set_to_none) {
   }
 }
 
-}  // namespace
+void CapturableOptimizer::set_lr(double lr) {
+  GRAPHED_CHECK(lr >= 0, "Expected a learning rate >= 0, got ", lr, ".");
+  lr_value_ = lr;
+  c10::NoGradGuard no_grad;
+  lr_.fill_(lr);
+}
+
+std::vector<at::Tensor> CapturableOptimizer::state() const {
+  std::vector<at::Tensor> tensors = own_state();
+  tensors.push_back(lr_);
+  return tensors;
+}
 
 CapturableAdamW::CapturableAdamW(std::vector<at::Tensor> params, AdamWOptions options)
-    : options_(options), params_(std::move(params)) {
-  check_params(params_, "CapturableAdamW");
-  GRAPHED_CHECK(options_.lr >= 0 && options_.eps >= 0 && options_.weight_decay >= 0 &&
+    : CapturableOptimizer(std::move(params), options.lr, "CapturableAdamW"), options_(options) {
+  GRAPHED_CHECK(options_.eps >= 0 && options_.weight_decay >= 0 &&
                     options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 &&
                     options_.beta2 < 1,
-                "CapturableAdamW expected lr >= 0, eps >= 0, weight_decay >= 0 and betas in "
-                "[0, 1), got lr=", options_.lr, ", eps=", options_.eps, ", weight_decay=",
+                "CapturableAdamW expected eps >= 0, weight_decay >= 0 and betas in [0, 1), got "
+                "eps=", options_.eps, ", weight_decay=",
                 options_.weight_decay, ", betas=(", options_.beta1, ", ", options_.beta2, ").");
   c10::NoGradGuard no_grad;
   const auto floats = at::TensorOptions().device(params_[0].device()).dtype(at::kFloat);
@@ -92,7 +113,6 @@ CapturableAdamW::CapturableAdamW(std::vector<at::Tensor> params, AdamWOptions op
     }
     steps_.push_back(at::zeros({}, floats));
   }
-  lr_ = at::full({}, options_.lr, floats);
 }
 
 void CapturableAdamW::step(const at::Tensor& found_inf) {
@@ -114,30 +134,19 @@ void CapturableAdamW::step(const at::Tensor& found_inf) {
   }
 }
 
-void CapturableAdamW::zero_grad(bool set_to_none) { zero_gradients(params_, set_to_none); }
-
-void CapturableAdamW::set_lr(double lr) {
-  GRAPHED_CHECK(lr >= 0, "Expected a learning rate >= 0, got ", lr, ".");
-  options_.lr = lr;
-  c10::NoGradGuard no_grad;
-  lr_.fill_(lr);
-}
-
-std::vector<at::Tensor> CapturableAdamW::state() const {
+std::vector<at::Tensor> CapturableAdamW::own_state() const {
   std::vector<at::Tensor> tensors;
   for (const auto* list : {&exp_avgs_, &exp_avg_sqs_, &max_exp_avg_sqs_, &steps_}) {
     tensors.insert(tensors.end(), list->begin(), list->end());
   }
-  tensors.push_back(lr_);
   return tensors;
 }
 
 CapturableSGD::CapturableSGD(std::vector<at::Tensor> params, SGDOptions options)
-    : options_(options), params_(std::move(params)) {
-  check_params(params_, "CapturableSGD");
-  GRAPHED_CHECK(options_.lr >= 0 && options_.momentum >= 0 && options_.weight_decay >= 0,
-                "CapturableSGD expected lr, momentum and weight_decay >= 0, got lr=",
-                options_.lr, ", momentum=", options_.momentum, ", weight_decay=",
+    : CapturableOptimizer(std::move(params), options.lr, "CapturableSGD"), options_(options) {
+  GRAPHED_CHECK(options_.momentum >= 0 && options_.weight_decay >= 0,
+                "CapturableSGD expected momentum and weight_decay >= 0, got momentum=",
+                options_.momentum, ", weight_decay=",
                 options_.weight_decay, ".");
   GRAPHED_CHECK(options_.momentum == 0 || options_.dampening == 0,
                 "CapturableSGD cannot capture momentum with dampening (got dampening=",
@@ -153,8 +162,6 @@ CapturableSGD::CapturableSGD(std::vector<at::Tensor> params, SGDOptions options)
       momentum_buffers_.push_back(at::zeros_like(p, at::MemoryFormat::Preserve));
     }
   }
-  lr_ = at::full({}, options_.lr,
-                 at::TensorOptions().device(params_[0].device()).dtype(at::kFloat));
 }
 
 void CapturableSGD::step(const at::Tensor& found_inf) {
@@ -170,19 +177,6 @@ void CapturableSGD::step(const at::Tensor& found_inf) {
   }
 }
 
-void CapturableSGD::zero_grad(bool set_to_none) { zero_gradients(params_, set_to_none); }
-
-void CapturableSGD::set_lr(double lr) {
-  GRAPHED_CHECK(lr >= 0, "Expected a learning rate >= 0, got ", lr, ".");
-  options_.lr = lr;
-  c10::NoGradGuard no_grad;
-  lr_.fill_(lr);
-}
-
-std::vector<at::Tensor> CapturableSGD::state() const {
-  std::vector<at::Tensor> tensors = momentum_buffers_;
-  tensors.push_back(lr_);
-  return tensors;
-}
+std::vector<at::Tensor> CapturableSGD::own_state() const { return momentum_buffers_; }
 
 }  // namespace graphed

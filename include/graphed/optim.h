@@ -23,20 +23,41 @@
 
 namespace graphed {
 
-/// What a captured training iteration needs from an optimizer; see
-/// Note [Capturable optimizers].
+/// The part every capturable optimizer shares: parameters, the learning rate
+/// as a device tensor, gradient clearing and the state list for snapshots;
+/// see Note [Capturable optimizers].
 class CapturableOptimizer {
  public:
   virtual ~CapturableOptimizer() = default;
+  CapturableOptimizer(const CapturableOptimizer&) = delete;
+  CapturableOptimizer& operator=(const CapturableOptimizer&) = delete;
+
   /// One step over every parameter that has a gradient; skipped on the device
-  /// when `found_inf` is defined and non-zero.
+  /// when `found_inf` is defined and non-zero, leaving everything as it was.
   virtual void step(const at::Tensor& found_inf = at::Tensor()) = 0;
   /// Clears the gradients: drops them (set_to_none) or zeroes them in place.
-  virtual void zero_grad(bool set_to_none = true) = 0;
+  void zero_grad(bool set_to_none = true);
+  /// Sets the learning rate in place on the device (graphs read the new value).
+  void set_lr(double lr);
+  /// The learning rate last set.
+  double lr() const { return lr_value_; }
   /// The parameters.
-  virtual const std::vector<at::Tensor>& params() const = 0;
-  /// Every state tensor, for snapshots.
-  virtual std::vector<at::Tensor> state() const = 0;
+  const std::vector<at::Tensor>& params() const { return params_; }
+  /// Every state tensor (the optimizer's own and the learning rate), for snapshots.
+  std::vector<at::Tensor> state() const;
+
+ protected:
+  /// Checks `params` (CUDA floating-point tensors on one device; `name`
+  /// appears in messages) and creates the learning-rate tensor.
+  CapturableOptimizer(std::vector<at::Tensor> params, double lr, const char* name);
+  /// The subclass's state tensors (moments, counters, buffers).
+  virtual std::vector<at::Tensor> own_state() const = 0;
+
+  std::vector<at::Tensor> params_;
+  at::Tensor lr_;
+
+ private:
+  double lr_value_;
 };
 
 /// Hyperparameters of CapturableAdamW (torch.optim.AdamW's defaults).
@@ -67,27 +88,17 @@ class CapturableAdamW final : public CapturableOptimizer {
   /// One AdamW step over every parameter that has a gradient. When
   /// `found_inf` is non-zero on the device, the step leaves everything as it was.
   void step(const at::Tensor& found_inf = at::Tensor()) override;
-  /// Clears the gradients: drops them (set_to_none) or zeroes them in place.
-  void zero_grad(bool set_to_none = true) override;
-  /// Sets the learning rate in place on the device (graphs read the new value).
-  void set_lr(double lr);
-  /// The learning rate last set.
-  double lr() const { return options_.lr; }
-  /// The parameters.
-  const std::vector<at::Tensor>& params() const override { return params_; }
-  /// Every state tensor (moments, step counters, learning rate), for snapshots.
-  std::vector<at::Tensor> state() const override;
-  /// The hyperparameters.
+  /// The hyperparameters it was created with.
   const AdamWOptions& options() const { return options_; }
 
  private:
+  std::vector<at::Tensor> own_state() const override;
+
   AdamWOptions options_;
-  std::vector<at::Tensor> params_;
   std::vector<at::Tensor> exp_avgs_;
   std::vector<at::Tensor> exp_avg_sqs_;
   std::vector<at::Tensor> max_exp_avg_sqs_;
   std::vector<at::Tensor> steps_;
-  at::Tensor lr_;
 };
 
 /// Hyperparameters of CapturableSGD (torch.optim.SGD's defaults).
@@ -117,24 +128,14 @@ class CapturableSGD final : public CapturableOptimizer {
   /// One SGD step over every parameter that has a gradient; skipped on the
   /// device when `found_inf` is non-zero.
   void step(const at::Tensor& found_inf = at::Tensor()) override;
-  /// Clears the gradients: drops them (set_to_none) or zeroes them in place.
-  void zero_grad(bool set_to_none = true) override;
-  /// Sets the learning rate in place on the device.
-  void set_lr(double lr);
-  /// The learning rate last set.
-  double lr() const { return options_.lr; }
-  /// The parameters.
-  const std::vector<at::Tensor>& params() const override { return params_; }
-  /// Every state tensor (momentum buffers, learning rate), for snapshots.
-  std::vector<at::Tensor> state() const override;
-  /// The hyperparameters.
+  /// The hyperparameters it was created with.
   const SGDOptions& options() const { return options_; }
 
  private:
+  std::vector<at::Tensor> own_state() const override;
+
   SGDOptions options_;
-  std::vector<at::Tensor> params_;
   std::vector<at::Tensor> momentum_buffers_;
-  at::Tensor lr_;
 };
 
 }  // namespace graphed

@@ -65,29 +65,6 @@ void register_errors(py::module_& m) {
   });
 }
 
-py::tuple pool_to_python(const PoolId& pool) { return py::make_tuple(pool.first, pool.second); }
-
-std::optional<PoolId> pool_from_python(const py::object& pool) {
-  if (pool.is_none()) {
-    return std::nullopt;
-  }
-  const auto pair = pool.cast<std::pair<c10::CaptureId_t, c10::CaptureId_t>>();
-  return PoolId{pair.first, pair.second};
-}
-
-py::dict graph_stats_to_python(const GraphStats& stats) {
-  py::dict out;
-  out["nodes"] = stats.nodes;
-  out["kernels"] = stats.kernels;
-  out["memcpys"] = stats.memcpys;
-  out["memsets"] = stats.memsets;
-  out["other_nodes"] = stats.other_nodes;
-  out["pool_reserved_bytes"] = stats.pool_reserved_bytes;
-  out["pool_allocated_bytes"] = stats.pool_allocated_bytes;
-  out["capture_ms"] = stats.capture_ms;
-  return out;
-}
-
 std::shared_ptr<CapturedFunction> capture_python(
     py::object function, const py::tuple& args, const py::dict& kwargs, int warmup,
     const py::object& pool, const std::string& capture_error_mode, bool clone_outputs,

@@ -280,6 +280,29 @@ CaptureGuard wrap_guard(std::string name, py::object read) {
                       }};
 }
 
+py::tuple pool_to_python(const PoolId& pool) { return py::make_tuple(pool.first, pool.second); }
+
+std::optional<PoolId> pool_from_python(const py::object& pool) {
+  if (pool.is_none()) {
+    return std::nullopt;
+  }
+  const auto pair = pool.cast<std::pair<c10::CaptureId_t, c10::CaptureId_t>>();
+  return PoolId{pair.first, pair.second};
+}
+
+py::dict graph_stats_to_python(const GraphStats& stats) {
+  py::dict out;
+  out["nodes"] = stats.nodes;
+  out["kernels"] = stats.kernels;
+  out["memcpys"] = stats.memcpys;
+  out["memsets"] = stats.memsets;
+  out["other_nodes"] = stats.other_nodes;
+  out["pool_reserved_bytes"] = stats.pool_reserved_bytes;
+  out["pool_allocated_bytes"] = stats.pool_allocated_bytes;
+  out["capture_ms"] = stats.capture_ms;
+  return out;
+}
+
 void install_python_locator(std::vector<std::string> roots) {
   library_roots() = roots;
   set_source_locator(std::make_shared<PythonLocator>(std::move(roots)));

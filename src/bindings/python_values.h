@@ -41,6 +41,13 @@ std::function<void()> wrap_procedure(py::object function);
 // A core guard reading `read()` with the GIL held.
 CaptureGuard wrap_guard(std::string name, py::object read);
 
+// A pool handle as Python sees it, a (int, int) tuple; None means no pool.
+py::tuple pool_to_python(const PoolId& pool);
+std::optional<PoolId> pool_from_python(const py::object& pool);
+
+// A graph's statistics as a dict.
+py::dict graph_stats_to_python(const GraphStats& stats);
+
 // Installs a SourceLocator that walks the Python stack; frames in files under
 // any of `library_roots` count as library code, the rest as user code.
 void install_python_locator(std::vector<std::string> library_roots);

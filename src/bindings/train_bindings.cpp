@@ -9,14 +9,6 @@
 namespace graphed::python {
 namespace {
 
-std::optional<PoolId> optional_pool(const py::object& pool) {
-  if (pool.is_none()) {
-    return std::nullopt;
-  }
-  const auto pair = pool.cast<std::pair<c10::CaptureId_t, c10::CaptureId_t>>();
-  return PoolId{pair.first, pair.second};
-}
-
 std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sample_batch,
                                            int warmup, const py::object& pool,
                                            const std::string& capture_error_mode,
@@ -24,7 +16,7 @@ std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sa
                                            std::string description) {
   TrainStepOptions options;
   options.warmup_iters = warmup;
-  options.pool = optional_pool(pool);
+  options.pool = pool_from_python(pool);
   options.error_mode = parse_capture_error_mode(capture_error_mode);
   options.state = std::move(state);
   options.clone_loss = clone_loss;
@@ -82,18 +74,9 @@ void register_training(py::module_& m) {
           [](const TrainStep& self) { return self.train_graph().static_inputs(); },
           "The static batch buffers; a batch made of them is not copied.")
       .def("graph_stats", [](const TrainStep& self) {
-        const GraphStats stats = self.train_graph().graph().stats();
-        py::dict out;
-        out["nodes"] = stats.nodes;
-        out["kernels"] = stats.kernels;
-        out["memcpys"] = stats.memcpys;
-        out["memsets"] = stats.memsets;
-        out["pool_reserved_bytes"] = stats.pool_reserved_bytes;
-        out["pool_allocated_bytes"] = stats.pool_allocated_bytes;
-        out["capture_ms"] = stats.capture_ms;
+        py::dict out = graph_stats_to_python(self.train_graph().graph().stats());
         out["warmup_ms"] = self.train_graph().stats().warmup_ms;
-        out["pool"] = py::make_tuple(self.train_graph().graph().pool().first,
-                                     self.train_graph().graph().pool().second);
+        out["pool"] = pool_to_python(self.train_graph().graph().pool());
         return out;
       });
 

@@ -2,7 +2,6 @@
 capture failures that name their cause and leave everything usable."""
 
 import gc
-import inspect
 
 import pytest
 import torch
@@ -10,17 +9,9 @@ from torch import nn
 
 import graphed
 from graphed import workloads
+from source_lines import line_of
 
 pytestmark = pytest.mark.gpu
-
-
-def line_of(fn, text):
-    """The line number of the first line of fn's source containing text."""
-    lines, start = inspect.getsourcelines(fn)
-    for offset, line in enumerate(lines):
-        if text in line:
-            return start + offset
-    raise AssertionError(f"{text!r} not in {fn.__name__}")
 
 
 @pytest.fixture

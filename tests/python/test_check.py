@@ -1,7 +1,6 @@
 """graphed.check: each blocker kind is found at the right line, clean code gives an
 empty report, and the check changes nothing (module state, RNG, torch's functions)."""
 
-import inspect
 import json
 import os
 
@@ -10,15 +9,7 @@ import pytest
 import torch
 
 import graphed
-
-
-def line_of(fn, text):
-    """The line number of the first line of fn's source containing text."""
-    lines, start = inspect.getsourcelines(fn)
-    for offset, line in enumerate(lines):
-        if text in line:
-            return start + offset
-    raise AssertionError(f"{text!r} not in {fn.__name__}")
+from source_lines import line_of
 
 
 def the_finding(report, kind, op):
