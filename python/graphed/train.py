@@ -204,6 +204,11 @@ class TrainStep:
     optimizer state and random generators are restored afterwards, so the first
     :meth:`step` equals eager's first step.
 
+    After construction each parameter's ``.grad`` is the graph's gradient buffer,
+    refreshed by every :meth:`step`. Do not call ``optimizer.zero_grad()`` between
+    steps: the captured iteration clears gradients itself, and dropping them would
+    detach ``.grad`` from the memory the graph writes.
+
     Args:
         step_fn: the iteration; called with one argument, the batch.
         sample_batch: a batch like those :meth:`step` will get (nested tuples,
