@@ -11,6 +11,8 @@
 #include "graphed/cuda_handles.h"
 #include "graphed/grad_guard.h"
 #include "graphed/graph.h"
+#include "graphed/graph_schedule.h"
+#include "graphed/graphed_callable.h"
 #include "graphed/optim.h"
 #include "graphed/safety_check.h"
 #include "graphed/signature.h"

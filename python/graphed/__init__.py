@@ -18,6 +18,7 @@ import torch as _torch  # loads libtorch before the extension that links it
 from . import _C
 from ._C import (
     CapturedFunction,
+    GraphedCallable,
     CaptureError,
     GraphedError,
     InputMismatchError,
@@ -27,6 +28,7 @@ from ._C import (
 )
 from .capture import capture, graph_pool_handle
 from .check import check
+from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
 
 __version__ = "0.1.0"
@@ -47,6 +49,7 @@ _C.install_source_locator(
 __all__ = [
     "CaptureError",
     "CapturedFunction",
+    "GraphedCallable",
     "GraphedError",
     "InputMismatchError",
     "LossScaling",
@@ -55,6 +58,9 @@ __all__ = [
     "SafetyReport",
     "capture",
     "check",
+    "graph_stats",
+    "graphed_core",
+    "make_graphed_callables",
     "cmake_prefix_path",
     "graph_pool_handle",
     "make_capturable",

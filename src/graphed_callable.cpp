@@ -1,0 +1,670 @@
+#include "graphed/graphed_callable.h"
+
+#include "autograd_node.h"
+#include "graphed/check.h"
+#include "graphed/cuda_handles.h"
+#include "graphed/state_snapshot.h"
+#include "graphed/static_io.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/nn/module.h>
+
+#include <atomic>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace graphed {
+namespace detail {
+
+// State shared by every graph of one make_graphed_callables call: the pool,
+// the schedule, and where replays are in it.
+//
+// Note [Replays follow the capture order]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// All graphs of one call share a pool, and a graph captured later may reuse
+// memory that an earlier graph freed during its own capture: the activations a
+// backward graph consumed, the temporaries of a forward graph. That is safe
+// only while replays follow the order of capture (Note [Pipeline order]). A
+// forward replayed out of turn would overwrite activations that a pending
+// backward still has to read, and gradients would be silently wrong; PyTorch
+// does not detect this. So replays walk a cursor through the schedule: within
+// a cycle (from the first forward after every backward has run until all have
+// run again) each replay must come later in the schedule than the one before,
+// else the call raises. A call under no_grad while backwards are pending runs
+// eagerly (counted), since it needs no graph and must not disturb one.
+struct GraphedCallablesShared {
+  PoolId pool{0, 0};
+  c10::Device device{c10::kCUDA};
+  GraphSchedule schedule;
+  std::mutex mutex;
+  // Position in schedule.passes() of the last replay in this cycle, or -1.
+  int64_t last_position = -1;
+  // Pairs whose forward replayed with autograd and whose backward has not run.
+  int64_t pending_backwards = 0;
+};
+
+// The static buffers a pair's graphs read their inputs from. Pairs whose
+// lifetimes do not overlap share one set (GraphSchedule::shared_inputs).
+struct InputBuffers {
+  std::vector<at::Tensor> tensors;
+};
+
+// The forward and backward graphs of one callable for one microbatch.
+struct GraphPair {
+  size_t index = 0;  // in the schedule
+  size_t microbatch = 0;
+  std::string description;
+  Signature signature;
+  std::shared_ptr<InputBuffers> inputs;
+  std::vector<c10::IValue> input_tree;  // the sample, tensors replaced by buffers
+  // Signature positions of inputs that require grad, then the parameters that
+  // require grad: the tensors the backward graph differentiates.
+  std::vector<size_t> grad_input_positions;
+  std::vector<at::Tensor> grad_parameters;
+  Graph forward;
+  Graph backward;
+  bool has_backward = false;
+  c10::IValue output_tree;                   // as captured, tensors detached
+  std::vector<at::Tensor> outputs;           // flattened, detached
+  std::vector<bool> output_differentiable;   // per output
+  std::vector<at::Tensor> grad_outputs;      // per differentiable output
+  std::vector<at::Tensor> grad_results;      // per grad target; undefined when unused
+  // Replay bookkeeping, under shared->mutex.
+  uint64_t generation = 0;
+  bool backward_pending = false;
+  std::atomic<int64_t> backward_replays{0};
+  std::atomic<int64_t> grad_copies{0};
+  std::shared_ptr<GraphedCallablesShared> shared;
+};
+
+namespace {
+
+// Note [Returned gradients are never aliases]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The backward graph writes its gradients into static tensors that the next
+// replay overwrites. torch.cuda.make_graphed_callables returns detached views
+// of them; a detached view has its own TensorImpl with one reference, so
+// AccumulateGrad steals it as `.grad` when `.grad` is None, and the next
+// replay then rewrites that `.grad` in place: accumulation over microbatches
+// silently doubles the last one (pytorch#181723). Here the node returns the
+// static tensors themselves. graphed keeps a reference, so every consumer
+// sees a shared tensor: AccumulateGrad clones it (when `.grad` is None) or
+// adds it in place into `.grad`, and autograd's input buffers add out of
+// place; nothing keeps the static memory. The one consumer that would hand
+// the tensor itself to the user is torch.autograd.grad (a graph task that
+// captures gradients); then the node returns clones.
+bool graph_task_captures_gradients() {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  return exec_info != nullptr && !exec_info->empty();
+}
+
+class GraphedBackward final : public torch::autograd::Node {
+ public:
+  GraphedBackward(std::shared_ptr<GraphPair> pair, uint64_t generation)
+      : pair_(std::move(pair)), generation_(generation) {}
+
+  ~GraphedBackward() override {
+    // Outputs dropped before their backward ran: the pair is free again.
+    GraphPair& pair = *pair_;
+    std::lock_guard<std::mutex> lock(pair.shared->mutex);
+    if (pair.backward_pending && pair.generation == generation_) {
+      pair.backward_pending = false;
+      --pair.shared->pending_backwards;
+    }
+  }
+
+  std::string name() const override { return "GraphedBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    GraphPair& pair = *pair_;
+    GRAPHED_CHECK(!c10::GradMode::is_enabled(), "Expected a first-order backward through ",
+                  pair.description, ", but autograd asked for a graph of the backward itself "
+                  "(create_graph=True or double backward). Its backward is a replayed CUDA graph "
+                  "without autograd history; compute higher-order gradients eagerly.");
+    {
+      std::lock_guard<std::mutex> lock(pair.shared->mutex);
+      GraphedCallablesShared& shared = *pair.shared;
+      GRAPHED_CHECK(pair.backward_pending && pair.generation == generation_,
+                    "The backward of ", pair.description, " cannot run: ",
+                    pair.generation != generation_
+                        ? "its forward graph was replayed again since these outputs were made, "
+                          "which overwrote the activations this backward reads"
+                        : "it already ran once for these outputs (retain_graph=True), and later "
+                          "graphs of the same pool may have reused the activations it reads",
+                    ". Run each call's backward before calling the callable again, or graph "
+                    "several microbatches in flight with order=.");
+      const auto position = static_cast<int64_t>(shared.schedule.backward_position(pair.index));
+      GRAPHED_CHECK(position > shared.last_position, "The backward of ", pair.description,
+                    " ran out of the order its graphs were captured in: it comes at position ",
+                    position, " of the schedule, but position ", shared.last_position,
+                    " already ran. Graphs of one pool must replay in capture order (forwards "
+                    "in order, backwards reversed, or as given by order=).");
+      shared.last_position = position;
+      pair.backward_pending = false;
+      --shared.pending_backwards;
+    }
+    {
+      c10::NoGradGuard no_grad;
+      for (size_t i = 0; i < pair.grad_outputs.size(); ++i) {
+        at::Tensor& destination = pair.grad_outputs[i];
+        const at::Tensor& grad = i < grads.size() ? grads[i] : at::Tensor();
+        if (!grad.defined()) {
+          destination.zero_();
+        } else if (grad.data_ptr() != destination.data_ptr()) {
+          destination.copy_(grad);
+          pair.grad_copies.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+      pair.backward.replay();
+    }
+    pair.backward_replays.fetch_add(1, std::memory_order_relaxed);
+    torch::autograd::variable_list results;
+    results.reserve(pair.grad_results.size());
+    const bool clone = graph_task_captures_gradients();
+    for (const at::Tensor& grad : pair.grad_results) {
+      results.push_back(clone && grad.defined() ? grad.clone() : grad);
+    }
+    return results;
+  }
+
+ private:
+  std::shared_ptr<GraphPair> pair_;
+  uint64_t generation_;
+};
+
+std::string spec_key(const Signature& signature) {
+  std::ostringstream key;
+  key << signature.describe();
+  for (const TensorSpec& spec : signature.tensor_specs()) {
+    key << '|' << spec.requires_grad;
+  }
+  return key.str();
+}
+
+std::string describe_target(const GraphPair& pair, size_t target) {
+  if (target < pair.grad_input_positions.size()) {
+    return pair.signature.tensor_path(pair.grad_input_positions[target]);
+  }
+  return c10::str("parameter ", target - pair.grad_input_positions.size(), " (",
+                  describe_tensor(pair.grad_parameters[target - pair.grad_input_positions.size()]),
+                  ")");
+}
+
+std::vector<at::Tensor> grad_targets(const GraphPair& pair) {
+  std::vector<at::Tensor> targets;
+  for (size_t position : pair.grad_input_positions) {
+    targets.push_back(pair.inputs->tensors[position]);
+  }
+  targets.insert(targets.end(), pair.grad_parameters.begin(), pair.grad_parameters.end());
+  return targets;
+}
+
+// One eager forward and backward of a pair on its static inputs: what warm-up
+// repeats, and how the graphs' structure (which outputs are differentiable,
+// which targets get gradients) is learnt.
+void run_eagerly_once(const GraphableCallable& callable, GraphPair& pair, bool allow_unused) {
+  const c10::IValue output = callable.function(pair.input_tree);
+  std::vector<at::Tensor> differentiable;
+  for (const at::Tensor& tensor : flatten_tensors(output)) {
+    if (tensor.defined() && tensor.requires_grad()) {
+      differentiable.push_back(tensor);
+    }
+  }
+  const std::vector<at::Tensor> targets = grad_targets(pair);
+  if (differentiable.empty() || targets.empty()) {
+    return;
+  }
+  std::vector<at::Tensor> seeds;
+  for (const at::Tensor& tensor : differentiable) {
+    seeds.push_back(at::empty_like(tensor));
+  }
+  const std::vector<at::Tensor> grads = torch::autograd::grad(
+      differentiable, targets, seeds, /*retain_graph=*/false, /*create_graph=*/false,
+      /*allow_unused=*/true);
+  if (!allow_unused) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      GRAPHED_CHECK(grads[i].defined(), "Expected every input and parameter of ",
+                    pair.description, " that requires grad to receive a gradient, but ",
+                    describe_target(pair, i), " is not used by its differentiable outputs. "
+                    "Pass allow_unused_input=True to accept a None gradient for it, or stop "
+                    "it requiring grad.");
+    }
+  }
+}
+
+void capture_forward(const GraphableCallable& callable, GraphPair& pair,
+                     const GraphCaptureOptions& graph_options) {
+  c10::IValue output;
+  pair.forward.capture([&] { output = callable.function(pair.input_tree); }, graph_options);
+  const std::vector<at::Tensor> tensors = flatten_tensors(output);
+  for (const at::Tensor& tensor : tensors) {
+    GRAPHED_CHECK_AS(CaptureError, !tensor.defined() || tensor.is_cuda(), pair.description,
+                     " returned a tensor on ", tensor.device().str(), " (",
+                     describe_tensor(tensor), "). A graph only replays GPU work, so that output "
+                     "would keep its value from capture forever. Return GPU tensors.");
+    pair.output_differentiable.push_back(tensor.defined() && tensor.requires_grad());
+  }
+  // Keep the autograd graph of the capture alive until the backward capture.
+  pair.outputs = tensors;
+  pair.output_tree = std::move(output);
+}
+
+void capture_backward(GraphPair& pair, const GraphCaptureOptions& graph_options,
+                      std::unordered_map<std::string, at::Tensor>& grad_output_buffers) {
+  std::vector<at::Tensor> differentiable;
+  for (size_t i = 0; i < pair.outputs.size(); ++i) {
+    if (!pair.output_differentiable[i]) {
+      continue;
+    }
+    const at::Tensor& output = pair.outputs[i];
+    differentiable.push_back(output);
+    // Incoming gradients live only from the copy into the buffer to the end
+    // of the backward replay, so outputs of one spec share one buffer across
+    // all graphs of the call.
+    const std::string key = describe_tensor(output) + c10::str(output.strides());
+    auto [it, inserted] = grad_output_buffers.try_emplace(key);
+    if (inserted) {
+      it->second = at::empty_like(output, at::MemoryFormat::Preserve).detach();
+    }
+    pair.grad_outputs.push_back(it->second);
+  }
+  const std::vector<at::Tensor> targets = grad_targets(pair);
+  pair.has_backward = !differentiable.empty() && !targets.empty();
+  if (pair.has_backward) {
+    pair.backward.capture(
+        [&] {
+          pair.grad_results = torch::autograd::grad(differentiable, targets, pair.grad_outputs,
+                                                    /*retain_graph=*/false,
+                                                    /*create_graph=*/false, /*allow_unused=*/true);
+        },
+        graph_options);
+  } else {
+    pair.grad_outputs.clear();
+  }
+  // Drop the capture's autograd graph; callers get detached aliases.
+  for (at::Tensor& output : pair.outputs) {
+    output = output.defined() ? output.detach() : output;
+  }
+  size_t next = 0;
+  pair.output_tree = map_tensors(pair.output_tree, [&](const at::Tensor&) {
+    return pair.outputs.at(next++);
+  });
+}
+
+void check_no_autocast_cache() {
+  for (const c10::DeviceType type : {c10::DeviceType::CUDA, c10::DeviceType::CPU}) {
+    GRAPHED_CHECK(!(at::autocast::is_autocast_enabled(type) &&
+                    at::autocast::is_autocast_cache_enabled()),
+                  "Expected autocast's weight cache to be off while graphing, but autocast is "
+                  "enabled for ", c10::DeviceTypeName(type), " with cache_enabled=True. The "
+                  "cache holds casts of the weights made during capture, which would be freed "
+                  "with the capture's memory and read by every replay. Use "
+                  "torch.autocast(..., cache_enabled=False) around graphing and the calls.");
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+using detail::GraphedCallablesShared;
+using detail::GraphPair;
+
+GraphableCallable graphable_module(std::shared_ptr<torch::nn::Module> module,
+                                   CapturableFunction forward, std::string description) {
+  GRAPHED_CHECK(module != nullptr, "Expected a module to graph, got a null pointer.");
+  GraphableCallable callable;
+  callable.function = std::move(forward);
+  callable.parameters = module->parameters();
+  callable.state = module->buffers();
+  callable.training = module->is_training();
+  callable.read_parameters = [weak = std::weak_ptr<torch::nn::Module>(module)] {
+    const auto alive = weak.lock();
+    return alive ? alive->parameters() : std::vector<at::Tensor>{};
+  };
+  callable.description =
+      description.empty() ? c10::str("module `", module->name(), "`") : std::move(description);
+  return callable;
+}
+
+GraphedCallable::GraphedCallable(GraphableCallable callable,
+                                 std::vector<std::shared_ptr<GraphPair>> pairs,
+                                 std::shared_ptr<GraphedCallablesShared> shared)
+    : callable_(std::move(callable)), pairs_(std::move(pairs)), shared_(std::move(shared)) {
+  if (callable_.read_parameters) {
+    for (const at::Tensor& parameter : callable_.read_parameters()) {
+      parameter_identity_.push_back(parameter.unsafeGetTensorImpl());
+    }
+  }
+}
+
+GraphedCallable::~GraphedCallable() = default;
+
+void GraphedCallable::check_parameters() const {
+  if (!callable_.read_parameters) {
+    return;
+  }
+  const std::vector<at::Tensor> now = callable_.read_parameters();
+  bool same = now.size() == parameter_identity_.size();
+  for (size_t i = 0; same && i < now.size(); ++i) {
+    same = now[i].unsafeGetTensorImpl() == parameter_identity_[i];
+  }
+  GRAPHED_CHECK(same, "Expected the parameters of ", callable_.description,
+                " to be those it was graphed with (", parameter_identity_.size(),
+                " tensors), but they were ", now.size() == parameter_identity_.size()
+                    ? "replaced by other tensors"
+                    : c10::str("changed to ", now.size(), " tensors"),
+                ". The graphs read and write the original parameters' memory. Graph the module "
+                "again after changing its parameters (update values in place with "
+                "param.data.copy_(...) to keep the graphs).");
+}
+
+c10::IValue GraphedCallable::operator()(const std::vector<c10::IValue>& inputs) {
+  return call(inputs, callable_.training);
+}
+
+c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
+                                  std::optional<bool> training) {
+  if (training && callable_.training && *training != *callable_.training) {
+    ++stats_.eager_calls[c10::str("training is ", *training ? "True" : "False",
+                                  " but the graphs were captured with ",
+                                  *callable_.training ? "True" : "False")];
+    return callable_.function(inputs);
+  }
+  check_parameters();
+  const std::shared_ptr<GraphPair>& pair_ptr = pairs_[next_microbatch_];
+  GraphPair& pair = *pair_ptr;
+  scratch_.clear();
+  if (!pair.signature.collect_tensors(inputs, scratch_)) {
+    std::ostringstream message;
+    message << "The inputs do not match those " << pair.description << " was graphed with:";
+    for (const std::string& difference : pair.signature.differences(inputs)) {
+      message << "\n  " << difference;
+    }
+    message << "\nIts graphs replay fixed shapes, dtypes, devices and requires_grad flags: call "
+               "it with inputs like its sample, or graph it again with a sample of the new shape.";
+    GRAPHED_THROW(InputMismatchError, message.str());
+  }
+  const bool with_autograd = c10::GradMode::is_enabled() && pair.has_backward;
+  GraphedCallablesShared& shared = *shared_;
+  uint64_t generation = 0;
+  {
+    // See Note [Replays follow the capture order].
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    if (shared.pending_backwards == 0) {
+      shared.last_position = -1;
+    }
+    const auto position = static_cast<int64_t>(shared.schedule.forward_position(pair.index));
+    if (position <= shared.last_position) {
+      if (!with_autograd) {
+        ++stats_.eager_calls["called without autograd, out of the capture order, while backward "
+                             "passes of its graph pool were pending"];
+        c10::NoGradGuard no_grad;
+        return callable_.function(inputs);
+      }
+      GRAPHED_THROW(Error, "The forward of ", pair.description, " was called out of the order "
+                    "its graphs were captured in: it comes at position ", position, " of the "
+                    "schedule, but position ", shared.last_position, " already ran and ",
+                    shared.pending_backwards, " backward pass(es) are still pending. Replaying "
+                    "it now would overwrite activations those backwards read. Run backward "
+                    "before the next forward (or drop outputs you will not differentiate), "
+                    "call in the order given by order=, or graph more microbatches.");
+    }
+    shared.last_position = position;
+    generation = ++pair.generation;
+    if (pair.backward_pending) {
+      // A forward without autograd overwrote what this pair's backward reads;
+      // that backward now fails with the reason (generation mismatch).
+      pair.backward_pending = false;
+      --shared.pending_backwards;
+    }
+    if (with_autograd) {
+      pair.backward_pending = true;
+      ++shared.pending_backwards;
+    }
+  }
+  if (with_autograd) {
+    next_microbatch_ = (next_microbatch_ + 1) % pairs_.size();
+  }
+
+  c10::cuda::CUDAGuard device_guard(shared.device);
+  {
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < scratch_.size(); ++i) {
+      at::Tensor& buffer = pair.inputs->tensors[i];
+      if (scratch_[i].data_ptr() != buffer.data_ptr()) {
+        buffer.copy_(scratch_[i]);
+        ++stats_.input_copies;
+      }
+    }
+    pair.forward.replay();
+  }
+  ++stats_.forward_replays;
+
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(pair.outputs.size());
+  for (const at::Tensor& output : pair.outputs) {
+    outputs.push_back(output.defined() ? output.detach() : output);
+  }
+  if (with_autograd) {
+    auto node = detail::make_node<detail::GraphedBackward>(pair_ptr, generation);
+    torch::autograd::edge_list edges;
+    edges.reserve(pair.grad_input_positions.size() + pair.grad_parameters.size());
+    for (size_t position : pair.grad_input_positions) {
+      edges.push_back(torch::autograd::impl::gradient_edge(scratch_[position]));
+    }
+    for (const at::Tensor& parameter : pair.grad_parameters) {
+      edges.push_back(torch::autograd::impl::gradient_edge(parameter));
+    }
+    node->set_next_edges(std::move(edges));
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (pair.output_differentiable[i]) {
+        torch::autograd::set_history(outputs[i], node);
+      }
+    }
+  }
+  size_t next = 0;
+  return map_tensors(pair.output_tree, [&](const at::Tensor&) { return outputs.at(next++); });
+}
+
+GraphedCallableStats GraphedCallable::stats() const {
+  GraphedCallableStats stats = stats_;
+  for (const auto& pair : pairs_) {
+    stats.backward_replays += pair->backward_replays.load(std::memory_order_relaxed);
+    stats.grad_copies += pair->grad_copies.load(std::memory_order_relaxed);
+  }
+  return stats;
+}
+
+std::vector<GraphedPassInfo> GraphedCallable::graphs() const {
+  std::vector<GraphedPassInfo> infos;
+  for (const auto& pair : pairs_) {
+    infos.push_back({pair->microbatch, true, pair->forward.stats()});
+    if (pair->has_backward) {
+      infos.push_back({pair->microbatch, false, pair->backward.stats()});
+    }
+  }
+  return infos;
+}
+
+const Signature& GraphedCallable::signature() const { return pairs_.front()->signature; }
+
+const std::string& GraphedCallable::description() const { return callable_.description; }
+
+PoolId GraphedCallable::pool() const { return shared_->pool; }
+
+std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
+    std::vector<GraphableCallable> callables, std::vector<std::vector<c10::IValue>> samples,
+    GraphedCallablesOptions options) {
+  GRAPHED_CHECK(options.warmup_iters >= 1, "Expected num_warmup_iters >= 1, got ",
+                options.warmup_iters, ". Warm-up runs create what capture cannot (cuBLAS "
+                "handles and workspaces, autotuning); use at least 1, and 11 under "
+                "DistributedDataParallel.");
+  for (size_t i = 0; i < callables.size(); ++i) {
+    GRAPHED_CHECK(static_cast<bool>(callables[i].function), "Callable ", i,
+                  " has no function to run.");
+  }
+  detail::check_no_autocast_cache();
+  auto shared = std::make_shared<GraphedCallablesShared>();
+  shared->schedule = GraphSchedule::plan(callables.size(), samples.size(), options.order);
+  const GraphSchedule& schedule = shared->schedule;
+
+  // Signatures and the device, before anything is allocated.
+  std::vector<std::shared_ptr<GraphPair>> pairs(schedule.num_pairs());
+  std::optional<c10::Device> device;
+  std::vector<std::string> keys;
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    auto pair = std::make_shared<GraphPair>();
+    pair->index = p;
+    pair->microbatch = schedule.microbatch_of(p);
+    const GraphableCallable& callable = callables[schedule.callable_of(p)];
+    pair->description = schedule.num_microbatches() > 1
+                            ? c10::str(callable.description, " (microbatch ",
+                                       pair->microbatch, ")")
+                            : callable.description;
+    std::vector<std::string> names = options.input_names;
+    if (names.empty()) {
+      for (size_t i = 0; i < samples[p].size(); ++i) {
+        names.push_back(c10::str("args[", i, "]"));
+      }
+    }
+    GRAPHED_CHECK(names.size() == samples[p].size(), "Expected one input name per sample "
+                  "input, got ", names.size(), " names for ", samples[p].size(), " inputs.");
+    SignatureOptions signature_options;
+    signature_options.match_requires_grad = true;
+    pair->signature = Signature(samples[p], names, signature_options);
+    for (size_t i = 0; i < pair->signature.num_tensors(); ++i) {
+      const TensorSpec& spec = pair->signature.tensor_specs()[i];
+      GRAPHED_CHECK(spec.device.is_cuda(), "Expected every sample tensor of ", pair->description,
+                    " on a CUDA device, but ", pair->signature.tensor_path(i), " is ",
+                    spec.describe(), ". Graphs replay GPU work only; move the sample (and later "
+                    "inputs) to the GPU with .cuda().");
+      GRAPHED_CHECK(!device || *device == spec.device, "Expected every sample tensor on one "
+                    "device, but ", pair->description, "'s ", pair->signature.tensor_path(i),
+                    " is on ", spec.device.str(), " and an earlier one on ", device->str(),
+                    ". Graph callables of different GPUs in separate calls.");
+      device = spec.device;
+      if (spec.requires_grad) {
+        pair->grad_input_positions.push_back(i);
+      }
+    }
+    for (const at::Tensor& parameter : callable.parameters) {
+      GRAPHED_CHECK(parameter.defined(), "A parameter of ", callable.description,
+                    " is undefined; pass defined tensors.");
+      GRAPHED_CHECK(!device || parameter.device() == *device || !parameter.requires_grad(),
+                    "Expected the parameters of ", callable.description, " on ", device->str(),
+                    " with its inputs, but one is ", describe_tensor(parameter),
+                    ". Move the module to the inputs' GPU (module.cuda()).");
+      if (parameter.requires_grad()) {
+        pair->grad_parameters.push_back(parameter);
+      }
+    }
+    keys.push_back(detail::spec_key(pair->signature));
+    pairs[p] = std::move(pair);
+  }
+  GRAPHED_CHECK(c10::cuda::device_count() > 0, "Graphing ", callables.front().description,
+                " needs an NVIDIA GPU, but CUDA reports no device "
+                "(torch.cuda.is_available() is False).");
+  shared->device = device.value_or(c10::Device(c10::kCUDA, c10::cuda::current_device()));
+  c10::cuda::CUDAGuard device_guard(shared->device);
+  shared->pool = options.pool.value_or(new_pool());
+
+  // Static input buffers, shared where lifetimes allow (Note [Pipeline order]).
+  const std::vector<std::optional<size_t>> donors = schedule.shared_inputs(keys);
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    GraphPair& pair = *pairs[p];
+    if (donors[p]) {
+      pair.inputs = pairs[*donors[p]]->inputs;
+    } else {
+      pair.inputs = std::make_shared<detail::InputBuffers>();
+      const StaticInputs fresh(samples[p]);
+      pair.inputs->tensors = fresh.buffers();
+    }
+    size_t next = 0;
+    for (const c10::IValue& input : samples[p]) {
+      pair.input_tree.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
+        at::Tensor& buffer = pair.inputs->tensors.at(next++);
+        if (tensor.requires_grad() && !buffer.requires_grad()) {
+          buffer.requires_grad_(true);
+        }
+        return buffer;
+      }));
+    }
+  }
+
+  std::vector<at::Tensor> state;
+  for (const GraphableCallable& callable : callables) {
+    state.insert(state.end(), callable.state.begin(), callable.state.end());
+  }
+  const StateSnapshot snapshot = StateSnapshot::take(state, shared->device);
+  GraphCaptureOptions graph_options;
+  graph_options.pool = shared->pool;
+  graph_options.error_mode = options.error_mode;
+  try {
+    c10::AutoGradMode grad_mode(true);
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(shared->device.index());
+    const c10::cuda::CUDAStream stream = capture_stream(shared->device.index());
+    {
+      // Warm up on the capture stream (Note [One capture stream per device]),
+      // in the order of the forwards.
+      stream_wait(stream.stream(), caller.stream());
+      c10::cuda::CUDAStreamGuard on_capture_stream(stream);
+      for (const GraphPass& pass : schedule.passes()) {
+        if (!pass.forward) {
+          continue;
+        }
+        GraphPair& pair = *pairs[pass.pair];
+        const GraphableCallable& callable = callables[schedule.callable_of(pass.pair)];
+        for (int i = 0; i < options.warmup_iters; ++i) {
+          detail::run_eagerly_once(callable, pair, options.allow_unused_input);
+        }
+      }
+      stream_wait(caller.stream(), stream.stream());
+    }
+    std::unordered_map<std::string, at::Tensor> grad_output_buffers;
+    for (const GraphPass& pass : schedule.passes()) {
+      GraphPair& pair = *pairs[pass.pair];
+      const GraphableCallable& callable = callables[schedule.callable_of(pass.pair)];
+      graph_options.description = c10::str(pass.forward ? "the forward of " : "the backward of ",
+                                           pair.description);
+      if (pass.forward) {
+        detail::capture_forward(callable, pair, graph_options);
+      } else {
+        detail::capture_backward(pair, graph_options, grad_output_buffers);
+      }
+    }
+  } catch (c10::Error& error) {
+    snapshot.restore();
+    error.add_context("Graphing changed nothing: the callables' buffers, their gradients and "
+                      "the random generators are as they were, and the graphs' memory is "
+                      "released.");
+    throw;
+  } catch (...) {
+    snapshot.restore();
+    throw;
+  }
+  snapshot.restore();
+
+  for (const auto& pair : pairs) {
+    pair->shared = shared;
+  }
+  std::vector<std::shared_ptr<GraphedCallable>> graphed;
+  for (size_t c = 0; c < callables.size(); ++c) {
+    std::vector<std::shared_ptr<GraphPair>> own;
+    for (size_t m = 0; m < schedule.num_microbatches(); ++m) {
+      own.push_back(pairs[schedule.pair_index(c, m)]);
+    }
+    graphed.push_back(
+        std::make_shared<GraphedCallable>(std::move(callables[c]), std::move(own), shared));
+  }
+  return graphed;
+}
+
+}  // namespace graphed
