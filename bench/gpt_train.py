@@ -67,6 +67,31 @@ def torch_full_graph(model, tokens, targets):
     return step
 
 
+def mgc_step(base, tokens, targets, *, graphed_impl: bool, per_layer: bool):
+    """make_graphed_callables on the whole model or on each block, optimizer
+    eager: PyTorch's (torch.cuda) or graphed's, set up identically."""
+    model = copy.deepcopy(base)
+    make = graphed.make_graphed_callables if graphed_impl else torch.cuda.make_graphed_callables
+    if per_layer:
+        hidden = model.position.shape[1]
+        sample = torch.randn(tokens.shape[0], tokens.shape[1], hidden, device=tokens.device,
+                             requires_grad=True)
+        blocks = tuple(model.blocks)
+        make(blocks, tuple((sample.clone().detach().requires_grad_(True),) for _ in blocks))
+    else:
+        make(model, (tokens.clone(),))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        loss = workloads.gpt_loss(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
 def run(quick: bool = False) -> Dict[str, Any]:
     workloads.configure_numerics()
     base, tokens, targets = workloads.gpt_train()
@@ -95,6 +120,15 @@ def run(quick: bool = False) -> Dict[str, Any]:
                                    lambda: torch_full_graph(copy.deepcopy(base), tokens, targets),
                                    True),
         "graphed_trainstep": Method("graphed_trainstep", graphed_trainstep(False), True),
+        # make_graphed_callables, optimizer eager (the issue's side-by-side set).
+        "torch_mgc_model": Method("torch_mgc_model", lambda: mgc_step(
+            base, tokens, targets, graphed_impl=False, per_layer=False), True),
+        "graphed_mgc_model": Method("graphed_mgc_model", lambda: mgc_step(
+            base, tokens, targets, graphed_impl=True, per_layer=False), True),
+        "torch_mgc_layers": Method("torch_mgc_layers", lambda: mgc_step(
+            base, tokens, targets, graphed_impl=False, per_layer=True), True),
+        "graphed_mgc_layers": Method("graphed_mgc_layers", lambda: mgc_step(
+            base, tokens, targets, graphed_impl=True, per_layer=True), True),
         "graphed_trainstep_compiled": Method("graphed_trainstep_compiled",
                                              graphed_trainstep(True), True),
     }

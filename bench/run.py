@@ -16,9 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import graphed  # noqa: E402
 import gpt_train  # noqa: E402
+import host_overhead  # noqa: E402
 import mlp_inference  # noqa: E402
 
-WORKLOADS = {"mlp_inference": mlp_inference.run, "gpt_train": gpt_train.run}
+WORKLOADS = {"mlp_inference": mlp_inference.run, "gpt_train": gpt_train.run,
+             "host_overhead": host_overhead.run}
 
 
 def markdown(results) -> str:
@@ -26,6 +28,11 @@ def markdown(results) -> str:
     for name, workload in results["workloads"].items():
         if "error" in workload:
             lines.append(f"### {name}: FAILED\n\n```\n{workload['error']}\n```\n")
+            continue
+        if "host_us" in workload:
+            lines.append(f"### {name}\n\n| case | host us per call |\n|---|---:|")
+            lines.extend(f"| {case} | {us:.2f} |" for case, us in workload["host_us"].items())
+            lines.append("")
             continue
         lines.append(f"### {name} (kernel floor {workload['kernel_floor_ms']:.4f} ms)\n")
         lines.append("| method | ms | x floor | x eager | capture ms | graph MB |")

@@ -46,6 +46,10 @@ def main(out):
         if "error" in data:
             print(f"| {workload} | FAILED: {data['error'].strip().splitlines()[-1]} | | | | | |")
             continue
+        if "host_us" in data:
+            for case, us in data["host_us"].items():
+                print(f"| {workload} | {case} | {us:.2f} us host | | | | |")
+            continue
         print(f"| {workload} | kernel floor | {data['kernel_floor_ms']:.4f} | 1.00 | | | |")
         for method, r in data["methods"].items():
             print(f"| {workload} | {method} | {r['ms']:.4f} | {r['ratio_to_floor']:.2f} | "
