@@ -14,4 +14,8 @@ void register_training(pybind11::module_& m);
 // which the Python adapter records host calls (check_bindings.cpp).
 void register_safety_check(pybind11::module_& m);
 
+// graphed.advise: traces, the replay cost and the advice arithmetic
+// (advice_bindings.cpp).
+void register_advice(pybind11::module_& m);
+
 }  // namespace graphed::python
