@@ -37,7 +37,7 @@ class Workload:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    text = " ".join(repr(value).split())  # one line, also for tensors
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(value).__name__} {text}"
