@@ -306,7 +306,6 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
             eager(sample_batch)
         eager_ms = _C.time_ms(lambda: eager(sample_batch), settings.timed_iters,
                               settings.timed_repeats, 0)
-        del eager_model, eager_optimizer, eager
 
         graph_model, graph_optimizer = _copies(model, optimizer)
         iteration, _ = training_iteration(graph_model, graph_optimizer, loss_fn, sample_batch)

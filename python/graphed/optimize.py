@@ -403,7 +403,6 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         times = measure.compare_ms({"eager": lambda: eager(batch), "graphed": lambda: step(batch)},
                                    iters=settings.timed_iters, repeats=settings.timed_repeats)
         report.eager_ms, report.graphed_ms = times["eager"], times["graphed"]
-        del reference_model, reference_optimizer, eager
         if report.graphed_ms >= report.eager_ms and not force:
             raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
                             f"{report.eager_ms:.3f} ms eager")
