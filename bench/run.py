@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import graphed  # noqa: E402
+import graphed.bench  # noqa: E402
 import gpt_train  # noqa: E402
 import host_overhead  # noqa: E402
 import mlp_inference  # noqa: E402
@@ -44,6 +45,30 @@ def markdown(results) -> str:
                          f"{r['speedup_vs_eager']:.2f} | {capture} | {memory} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def add_advice(results, out_dir: str, quick: bool) -> bool:
+    """The ``advice`` section: for each workload run, graphed.advise's predicted
+    graphed time against the graphed method's time measured above, and the
+    relative error; the GPT timeline PNG goes next to the JSON. True when a
+    prediction is off by more than graphed.bench.TOLERANCE or failed."""
+    results["advice"] = {}
+    failed = False
+    for name, record in results["workloads"].items():
+        print(f"bench: advice: {name}", flush=True)
+        method = graphed.bench.GRAPHED_METHOD[name]
+        measured = record.get("methods", {}).get(method, {}).get("ms")
+        try:
+            entry = graphed.bench.advice_entry(
+                name, measured_ms=measured, plot_dir=out_dir if name == "gpt_train" else None,
+                quick=quick)
+            failed |= not entry["within_tolerance"]
+        except Exception:  # a broken prediction must not hide the timings
+            failed = True
+            entry = {"error": traceback.format_exc()}
+            traceback.print_exc()
+        results["advice"][name] = entry
+    return failed
 
 
 def main() -> int:
@@ -77,9 +102,10 @@ def main() -> int:
             failed = True
             results["workloads"][name] = {"error": traceback.format_exc()}
             traceback.print_exc()
+    failed |= add_advice(results, os.path.dirname(os.path.abspath(args.json)), args.quick)
     with open(args.json, "w") as out:
         json.dump(results, out, indent=2)
-    table = markdown(results)
+    table = markdown(results) + "\n" + graphed.bench.markdown(results["advice"])
     if args.markdown:
         with open(args.markdown, "w") as out:
             out.write(table)

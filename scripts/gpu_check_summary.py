@@ -55,6 +55,15 @@ def main(out):
             print(f"| {workload} | {method} | {r['ms']:.4f} | {r['ratio_to_floor']:.2f} | "
                   f"{r['speedup_vs_eager']:.2f} | {r.get('capture_ms', '')} | "
                   f"{r.get('graph_mb', '')} |")
+    if results.get("advice"):
+        print("\n| advice | predicted ms | measured ms | error |")
+        print("|---|---:|---:|---:|")
+        for workload, entry in results["advice"].items():
+            if "error" in entry:
+                print(f"| {workload} | FAILED: {entry['error'].strip().splitlines()[-1]} | | |")
+            else:
+                print(f"| {workload} ({entry['method']}) | {entry['predicted_ms']:.4f} | "
+                      f"{entry['measured_ms']:.4f} | {100 * entry['rel_error']:+.1f}% |")
 
 
 if __name__ == "__main__":

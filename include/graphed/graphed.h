@@ -4,6 +4,7 @@
 /// Everything graphed offers LibTorch programs. Link the `graphed::graphed`
 /// CMake target (find_package(graphed)) and include this header.
 
+#include "graphed/advice.h"
 #include "graphed/capture.h"
 #include "graphed/capture_blockers.h"
 #include "graphed/capture_watcher.h"
@@ -14,6 +15,7 @@
 #include "graphed/graph_schedule.h"
 #include "graphed/graphed_callable.h"
 #include "graphed/optim.h"
+#include "graphed/profile.h"
 #include "graphed/safety_check.h"
 #include "graphed/signature.h"
 #include "graphed/source_location.h"

@@ -65,3 +65,10 @@ __all__ = [
     "graph_pool_handle",
     "make_capturable",
 ]
+
+# graphed.advise and graphed.optimize (issue 5).
+from .advise import Advice, ProfileSettings, advise, advise_training  # noqa: E402
+from .optimize import OptimizeReport, optimize  # noqa: E402
+
+__all__ += ["Advice", "OptimizeReport", "ProfileSettings", "advise", "advise_training",
+            "optimize"]

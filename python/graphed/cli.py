@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from typing import List, Optional, TextIO
@@ -35,7 +36,229 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("factory", metavar="MODULE:FACTORY",
                        help="e.g. my_pkg.workloads:make_step (the current directory is importable)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    workload_help = ("FACTORY returns an inference workload (fn, args) or (fn, args, kwargs), or a "
+                     "training workload (model, optimizer, loss_fn, (inputs, targets)).")
+    advise = commands.add_parser(
+        "advise",
+        help="profile a workload and predict what CUDA graphs would gain",
+        description="Imports MODULE, calls FACTORY() to build the workload, checks it, profiles a "
+        "few eager iterations with the Kineto profiler and prints the advice: kernels per "
+        "iteration, GPU busy and idle time, the predicted graphed time and speedup, a verdict "
+        "and a capture strategy. " + workload_help + " Needs a GPU. Exit code: 0 advice given, "
+        "2 bad input (the factory cannot be imported, raises or returns something else, the "
+        "workload raises) or no GPU.",
+    )
+    optimize = commands.add_parser(
+        "optimize",
+        help="check, advise, apply graphs, verify against eager and measure",
+        description="Builds the workload with MODULE:FACTORY, then runs graphed.optimize: check, "
+        "advise, apply the recommended strategy, verify numerics against eager, measure both and "
+        "report. When graphs cannot be applied, do not match eager or are not faster, nothing is "
+        "changed and the report says why. " + workload_help + " Needs a GPU. Exit code: 0 "
+        "applied, 1 not applied (the report says why), 2 bad input or no GPU.",
+    )
+    for command in (advise, optimize):
+        command.add_argument("factory", metavar="MODULE:FACTORY",
+                             help="e.g. my_pkg.workloads:make_step (the current directory is "
+                                  "importable)")
+        command.add_argument("--json", action="store_true", help="print the report as JSON")
+        command.add_argument("--plot", metavar="FILE",
+                             help="write a PNG timeline of GPU busy and idle time, eager against "
+                                  "graphed (predicted for advise, measured for optimize)")
+    bench = commands.add_parser(
+        "bench",
+        help="predicted against measured graphed time on the DESIGN.md workloads",
+        description="Runs graphed's advice benchmark on mlp_inference and gpt_train: the time "
+        "graphed.advise predicts for the graphed workload against the time measured, and the "
+        "relative error (the target is 15%%). The full side-by-side suite against PyTorch's own "
+        "graph paths is bench/run.py in graphed's repository. Needs a GPU. Exit code: 0 every "
+        "prediction within 15%%, 1 otherwise or a workload failed, 2 no GPU.",
+    )
+    bench.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                       help="mlp_inference and/or gpt_train (default: both)")
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    bench.add_argument("--plot-dir", metavar="DIR",
+                       help="write <workload>_timeline.png files into DIR")
+    bench.add_argument("--quick", action="store_true", help="fewer timed iterations")
     return parser
+
+
+class _Progress:
+    """A progress bar on stderr for the stages of a long command: tqdm's when
+    installed, else one line per stage with the time since the start."""
+
+    def __init__(self, stages: int, err: TextIO, label: str) -> None:
+        import time
+
+        self._time = time.perf_counter
+        self._started = self._time()
+        self._err = err
+        self._label = label
+        self._stages = stages
+        self._done = 0
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=stages, desc=label, file=err, leave=False)
+        except ImportError:
+            self._bar = None
+
+    def __call__(self, stage: str) -> None:
+        if self._bar is not None:
+            if self._done:
+                self._bar.update(1)
+            self._bar.set_postfix_str(stage)
+        else:
+            filled = int(20 * self._done / max(self._stages, 1))
+            print(f"{self._label} [{'#' * filled}{'.' * (20 - filled)}] {stage} "
+                  f"({self._time() - self._started:.1f}s)", file=self._err, flush=True)
+        self._done += 1
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._bar.total - self._bar.n)
+            self._bar.close()
+
+
+def _load(command: str, spec: str, err: TextIO):
+    from .factory import FactoryError, load_any_workload
+
+    try:
+        return load_any_workload(spec)
+    except FactoryError as error:
+        if error.details:
+            print(error.details, file=err, end="")
+        print(f"graphed {command}: {error}", file=err)
+        return None
+
+
+def _need_gpu(command: str, err: TextIO) -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    print(f"graphed {command}: profiling needs an NVIDIA GPU and this machine has none "
+          "(torch.cuda.is_available() is False); `graphed check` works without one.", file=err)
+    return False
+
+
+def _workload_raised(command: str, spec: str, error: Exception, err: TextIO) -> int:
+    traceback.print_exc(file=err)
+    print(f"graphed {command}: the workload of factory {spec!r} raised {type(error).__name__}: "
+          f"{error}; {command} runs it eagerly, so it must run on this machine as the factory "
+          "built it", file=err)
+    return 2
+
+
+def _run_advise(spec: str, as_json: bool, plot: Optional[str], out: TextIO, err: TextIO) -> int:
+    from .factory import TrainingWorkload
+
+    workload = _load("advise", spec, err)
+    if workload is None:
+        return 2
+    if not _need_gpu("advise", err):
+        return 2
+    from .advise import advise, advise_training
+
+    progress = _Progress(2, err, "graphed advise")
+    try:
+        progress("check and profile")
+        if isinstance(workload, TrainingWorkload):
+            advice = advise_training(workload.model, workload.optimizer, workload.loss_fn,
+                                     workload.batch)
+        else:
+            advice = advise(workload.fn, *workload.args, **workload.kwargs)
+    except Exception as error:  # noqa: BLE001 - the workload is the user's code
+        progress.close()
+        return _workload_raised("advise", spec, error, err)
+    if plot:
+        from .plot import predicted_trace, timeline_png
+
+        progress("plot")
+        cost = advice.replay_cost
+        timeline_png(plot, [("eager", advice.trace),
+                            ("graphed (predicted)",
+                             predicted_trace(advice.trace, cost["per_node_us"], cost["launch_us"]))],
+                     f"graphed advise: {advice.description}")
+    progress.close()
+    if as_json:
+        json.dump({"factory": spec, **advice.to_dict(), "plot": plot}, out, indent=2)
+        print(file=out)
+    else:
+        print(advice, file=out)
+        if plot:
+            print(f"\nTimeline: {plot}", file=out)
+    return 0
+
+
+def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
+                  err: TextIO) -> int:
+    from .factory import TrainingWorkload
+
+    workload = _load("optimize", spec, err)
+    if workload is None:
+        return 2
+    if not _need_gpu("optimize", err):
+        return 2
+    from .optimize import optimize
+
+    progress = _Progress(6, err, "graphed optimize")
+    if isinstance(workload, TrainingWorkload):
+        report = optimize(workload.model, workload.optimizer, workload.loss_fn,
+                          sample_batch=workload.batch, progress=progress)
+    elif workload.kwargs:
+        progress.close()
+        print(f"graphed optimize: factory {spec!r} returned keyword arguments "
+              f"{sorted(workload.kwargs)}; optimize passes positional arguments only: return "
+              "(fn, args) or (model, optimizer, loss_fn, batch)", file=err)
+        return 2
+    else:
+        report = optimize(workload.fn, sample_batch=workload.args, progress=progress)
+    if plot and report.advice is not None:
+        from .plot import timeline_png
+
+        progress("plot")
+        timeline_png(plot, [("eager", report.advice.trace), ("graphed", report.graphed_trace)],
+                     f"graphed optimize: {report.description}")
+    progress.close()
+    if as_json:
+        json.dump({"factory": spec, **report.to_dict(), "plot": plot}, out, indent=2)
+        print(file=out)
+    else:
+        print(report, file=out)
+        if plot:
+            print(f"\nTimeline: {plot}", file=out)
+    return 0 if report.applied else 1
+
+
+def _run_bench(names: List[str], json_path: Optional[str], plot_dir: Optional[str],
+               quick: bool, out: TextIO, err: TextIO) -> int:
+    from . import bench
+
+    unknown = sorted(set(names) - set(bench.GRAPHED_METHOD))
+    if unknown:
+        print(f"graphed bench: unknown workload(s) {', '.join(unknown)}; choose from "
+              f"{', '.join(bench.GRAPHED_METHOD)}", file=err)
+        return 2
+    if not _need_gpu("bench", err):
+        return 2
+    if plot_dir:
+        os.makedirs(plot_dir, exist_ok=True)
+    names = names or list(bench.GRAPHED_METHOD)
+    progress = _Progress(len(names), err, "graphed bench")
+    results = bench.run(names, plot_dir=plot_dir, quick=quick, progress=progress)
+    progress.close()
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(results, handle, indent=2)
+    print(bench.markdown(results["advice"]), file=out)
+    failed = [name for name, entry in results["advice"].items()
+              if "error" in entry or not entry["within_tolerance"]]
+    for name in failed:
+        print(f"graphed bench: {name}: " + results["advice"][name].get(
+            "error", "prediction error over 15%"), file=err)
+    return 1 if failed else 0
 
 
 def _run_check(spec: str, as_json: bool, out: TextIO, err: TextIO) -> int:
@@ -74,4 +297,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run(sys.stdout)
     if args.command == "check":
         return _run_check(args.factory, args.json, sys.stdout, sys.stderr)
+    if args.command == "advise":
+        return _run_advise(args.factory, args.json, args.plot, sys.stdout, sys.stderr)
+    if args.command == "optimize":
+        return _run_optimize(args.factory, args.json, args.plot, sys.stdout, sys.stderr)
+    if args.command == "bench":
+        return _run_bench(args.workloads, args.json, args.plot_dir, args.quick, sys.stdout,
+                          sys.stderr)
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -37,7 +37,7 @@ class Workload:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    text = " ".join(repr(value).split())  # one line, also for tensors
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(value).__name__} {text}"
@@ -50,10 +50,15 @@ def load_workload(spec: str) -> Workload:
     Raises:
         FactoryError: the message names the factory and what was expected.
     """
+    result = _call_factory(spec, _EXPECTED)
+    return _as_workload(spec, result, _EXPECTED)
+
+
+def _call_factory(spec: str, expected: str) -> Any:
     module_name, colon, attribute = spec.partition(":")
     if not colon or not module_name or not attribute:
         raise FactoryError(
-            f"expected MODULE:FACTORY, e.g. my_pkg.workloads:make_step, got {spec!r}; {_EXPECTED}"
+            f"expected MODULE:FACTORY, e.g. my_pkg.workloads:make_step, got {spec!r}; {expected}"
         )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -67,7 +72,7 @@ def load_workload(spec: str) -> Workload:
         raise FactoryError(
             f"cannot import module {module_name!r} of factory {spec!r}: "
             f"{type(error).__name__}: {error}. The module must be importable from the current "
-            "directory or PYTHONPATH.",
+            f"directory or PYTHONPATH, and define {attribute!r} there ({expected}).",
             "" if missing else traceback.format_exc(),
         ) from error
     factory: Any = module
@@ -75,21 +80,25 @@ def load_workload(spec: str) -> Workload:
         if not hasattr(factory, part):
             raise FactoryError(
                 f"module {module_name!r} has no attribute {attribute!r}, so factory {spec!r} does "
-                f"not exist; expected a function there that builds the workload ({_EXPECTED})"
+                f"not exist; expected a function there that builds the workload ({expected})"
             )
         factory = getattr(factory, part)
     if not callable(factory):
         raise FactoryError(
             f"factory {spec!r} is a {type(factory).__name__}, not a callable; expected a function "
-            f"that builds the workload ({_EXPECTED})"
+            f"that builds the workload ({expected})"
         )
     try:
-        result = factory()
+        return factory()
     except Exception as error:  # noqa: BLE001 - the user's factory may raise anything
         raise FactoryError(
-            f"factory {spec!r} raised {type(error).__name__}: {error}",
+            f"factory {spec!r} raised {type(error).__name__}: {error}; it should build the "
+            f"workload ({expected})",
             traceback.format_exc(),
         ) from error
+
+
+def _as_workload(spec: str, result: Any, expected: str) -> Workload:
     if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
         problem = f"returned {_describe(result)}"
     elif not callable(result[0]):
@@ -100,4 +109,48 @@ def load_workload(spec: str) -> Workload:
         problem = f"returned kwargs (the third element) {_describe(result[2])}"
     else:
         return Workload(result[0], tuple(result[1]), dict(result[2]) if len(result) == 3 else {})
-    raise FactoryError(f"factory {spec!r} {problem}; {_EXPECTED}")
+    raise FactoryError(f"factory {spec!r} {problem}; {expected}")
+
+
+_EXPECTED_ANY = (
+    "a factory returns an inference workload (fn, args) or (fn, args, kwargs): fn a callable, "
+    "args a tuple or list of its positional arguments, kwargs a dict; or a training workload "
+    "(model, optimizer, loss_fn, batch): an nn.Module, a torch.optim.Optimizer over its "
+    "parameters, a callable loss_fn(output, targets) and batch = (inputs, targets)"
+)
+
+
+@dataclass
+class TrainingWorkload:
+    """A model, its optimizer, a loss function and a sample batch ``(inputs, targets)``."""
+
+    model: Any
+    optimizer: Any
+    loss_fn: Callable[..., Any]
+    batch: Tuple[Any, Any]
+
+
+def load_any_workload(spec: str) -> "Workload | TrainingWorkload":
+    """As load_workload, but the factory may also return a training workload
+    ``(model, optimizer, loss_fn, batch)`` (for graphed advise and optimize).
+
+    Raises:
+        FactoryError: the message names the factory and what was expected.
+    """
+    import torch
+
+    result = _call_factory(spec, _EXPECTED_ANY)
+    if isinstance(result, (tuple, list)) and len(result) == 4:
+        model, optimizer, loss_fn, batch = result
+        if not isinstance(model, torch.nn.Module):
+            problem = f"returned model (the first of four elements) {_describe(model)}"
+        elif not isinstance(optimizer, torch.optim.Optimizer):
+            problem = f"returned optimizer (the second of four elements) {_describe(optimizer)}"
+        elif not callable(loss_fn):
+            problem = f"returned loss_fn (the third of four elements) {_describe(loss_fn)}"
+        elif not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            problem = f"returned batch (the fourth of four elements) {_describe(batch)}"
+        else:
+            return TrainingWorkload(model, optimizer, loss_fn, tuple(batch))
+        raise FactoryError(f"factory {spec!r} {problem}; {_EXPECTED_ANY}")
+    return _as_workload(spec, result, _EXPECTED_ANY)

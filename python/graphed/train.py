@@ -193,6 +193,69 @@ def _reset_lazy_state(optimizers: Sequence[torch.optim.Optimizer], known: set) -
                         value.fill_(_FIRST_STEP_VALUES.get(key, 0.0))
 
 
+def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       loss_fn: Callable[..., torch.Tensor], sample_batch: Tuple[Any, Any], *,
+                       microbatches: int = 1, clip_grad_norm: Optional[float] = None,
+                       amp: Optional[str] = None, skip_nonfinite: bool = False,
+                       loss_scaling: Optional[_C.LossScaling] = None
+                       ) -> Tuple[Callable[[Any], torch.Tensor], Any]:
+    """The iteration :meth:`TrainStep.from_parts` captures, and its gradient guard.
+
+    Makes ``optimizer`` capturable (:func:`make_capturable`). Returns
+    ``(iteration, guard)``: ``iteration(batch)`` runs one step eagerly and
+    returns the mean loss; ``guard.state()`` lists the guard's tensors.
+    graphed.advise traces this function to predict the captured step."""
+    if amp not in (None, "bf16", "fp16"):
+        raise GraphedError(f'Expected amp to be None, "bf16" or "fp16", got {amp!r}.')
+    if microbatches < 1:
+        raise GraphedError(f"Expected microbatches >= 1, got {microbatches}.")
+    if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
+        raise GraphedError("Expected sample_batch to be (inputs, targets), got "
+                           f"{type(sample_batch).__name__}.")
+    device = _device_of(make_capturable(optimizer))
+    scaling = loss_scaling or (_C.LossScaling() if amp == "fp16" else None)
+    if (skip_nonfinite or scaling is not None) and not _fusable(optimizer):
+        raise GraphedError(
+            f"Skipping non-finite steps inside the graph needs an optimizer whose step reads "
+            f"a device flag: fused Adam, AdamW or SGD; got {type(optimizer).__name__}. "
+            "Use one of those, or skip_nonfinite=False.")
+    guard = _C.GradientGuard(device, skip_nonfinite, clip_grad_norm, scaling)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def forward_loss(inputs: Any, targets: Any) -> torch.Tensor:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        if autocast_dtype is None:
+            return loss_fn(model(*args), targets)
+        # The autocast cache would hold casts made during capture: keep it off.
+        with torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False):
+            return loss_fn(model(*args), targets)
+
+    def split(value: Any) -> List[Any]:
+        if isinstance(value, tuple):
+            return list(zip(*(split(v) for v in value)))
+        return list(torch.chunk(value, microbatches)) if microbatches > 1 else [value]
+
+    def iteration(batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        optimizer.zero_grad(set_to_none=True)
+        total = None
+        for micro_inputs, micro_targets in zip(split(inputs), split(targets)):
+            loss = forward_loss(micro_inputs, micro_targets).float() / microbatches
+            guard.scale_loss(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        grads = [p.grad for p in params if p.grad is not None]
+        found_inf = guard.process(total, grads)
+        if found_inf is not None:
+            optimizer.found_inf = found_inf
+        optimizer.step()
+        guard.after_step()
+        return total
+
+    iteration.__qualname__ = f"TrainStep.from_parts({type(model).__name__})"
+    return iteration, guard
+
+
 class TrainStep:
     """A whole training iteration captured as one CUDA graph.
 
@@ -274,54 +337,10 @@ class TrainStep:
         gradients are not finite leaves weights and optimizer state untouched),
         clipping to ``clip_grad_norm``, the optimizer step, and the loss-scale
         update. Returns the mean loss."""
-        if amp not in (None, "bf16", "fp16"):
-            raise GraphedError(f'Expected amp to be None, "bf16" or "fp16", got {amp!r}.')
-        if microbatches < 1:
-            raise GraphedError(f"Expected microbatches >= 1, got {microbatches}.")
-        if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
-            raise GraphedError("Expected sample_batch to be (inputs, targets), got "
-                               f"{type(sample_batch).__name__}.")
-        device = _device_of(make_capturable(optimizer))
-        scaling = loss_scaling or (_C.LossScaling() if amp == "fp16" else None)
-        if (skip_nonfinite or scaling is not None) and not _fusable(optimizer):
-            raise GraphedError(
-                f"Skipping non-finite steps inside the graph needs an optimizer whose step reads "
-                f"a device flag: fused Adam, AdamW or SGD; got {type(optimizer).__name__}. "
-                "Use one of those, or skip_nonfinite=False.")
-        guard = _C.GradientGuard(device, skip_nonfinite, clip_grad_norm, scaling)
-        autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-
-        def forward_loss(inputs: Any, targets: Any) -> torch.Tensor:
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            if autocast_dtype is None:
-                return loss_fn(model(*args), targets)
-            # The autocast cache would hold casts made during capture: keep it off.
-            with torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False):
-                return loss_fn(model(*args), targets)
-
-        def split(value: Any) -> List[Any]:
-            if isinstance(value, tuple):
-                return list(zip(*(split(v) for v in value)))
-            return list(torch.chunk(value, microbatches)) if microbatches > 1 else [value]
-
-        def iteration(batch: Any) -> torch.Tensor:
-            inputs, targets = batch
-            optimizer.zero_grad(set_to_none=True)
-            total = None
-            for micro_inputs, micro_targets in zip(split(inputs), split(targets)):
-                loss = forward_loss(micro_inputs, micro_targets).float() / microbatches
-                guard.scale_loss(loss).backward()
-                total = loss.detach() if total is None else total + loss.detach()
-            grads = [p.grad for p in params if p.grad is not None]
-            found_inf = guard.process(total, grads)
-            if found_inf is not None:
-                optimizer.found_inf = found_inf
-            optimizer.step()
-            guard.after_step()
-            return total
-
-        iteration.__qualname__ = f"TrainStep.from_parts({type(model).__name__})"
+        iteration, guard = training_iteration(
+            model, optimizer, loss_fn, sample_batch, microbatches=microbatches,
+            clip_grad_norm=clip_grad_norm, amp=amp, skip_nonfinite=skip_nonfinite,
+            loss_scaling=loss_scaling)
         return cls(iteration, sample_batch, warmup=warmup, modules=[model],
                    optimizers=[optimizer], state=guard.state(), pool=pool, guard=guard)
 

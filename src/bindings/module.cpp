@@ -109,6 +109,7 @@ PYBIND11_MODULE(_C, m) {
   register_training(m);
   register_safety_check(m);
   register_graphed_callables(m);
+  register_advice(m);
 
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");

@@ -16,5 +16,8 @@ void register_safety_check(pybind11::module_& m);
 
 // graphed.make_graphed_callables and GraphedCallable (graphed_callable_bindings.cpp).
 void register_graphed_callables(pybind11::module_& m);
+// graphed.advise: traces, the replay cost and the advice arithmetic
+// (advice_bindings.cpp).
+void register_advice(pybind11::module_& m);
 
 }  // namespace graphed::python

@@ -1,0 +1,323 @@
+"""graphed.advise: will CUDA graphs pay off here, by how much, and how to capture?
+
+A trace of a few eager iterations through libtorch's Kineto profiler (no
+Nsight needed) gives the kernels per iteration, their durations, how busy the
+GPU is and how long it idles between kernels, and the host time per launch.
+The graphed iteration time is predicted as the kernels' own time plus a
+per-node replay cost measured on this GPU at start-up (Note [Predicting the
+graphed time] in src/advice.cpp); the strategy follows the decision chart of
+Note [Choosing a strategy]. The arithmetic lives in the C++ core; this module
+adapts functions, modules and optimizers to it and formats the report."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import _C
+from ._C import GraphedError
+from ._state import Snapshot, describe, first_cuda_device, tensor_shapes
+from .check import check as _check
+from .train import training_iteration
+
+
+@dataclass
+class ProfileSettings:
+    """How much graphed.advise runs: warm-up calls, timed calls (``timed_iters``
+    back to back, ``timed_repeats`` rounds, the median kept) and traced calls."""
+
+    warmup: int = 3
+    timed_iters: int = 10
+    timed_repeats: int = 5
+    profiled_iters: int = 5
+
+
+class Advice:
+    """What graphed.advise found. ``str()`` is a markdown report, ``to_dict()``
+    its JSON form; ``trace`` holds the eager trace (for timelines).
+
+    Attributes: ``verdict`` ("graphs help", "won't help much", "already
+    GPU-bound"), ``strategy`` ("full_capture", "per_module", "bucketed",
+    "fix_blockers", "stay_eager"), ``eager_ms``, ``predicted_ms``,
+    ``predicted_speedup``, ``summary`` (per-iteration figures of the trace),
+    ``replay_cost``, ``reason``, ``notes``, ``blockers`` (graphed.check's
+    findings as dicts), ``description``, ``training``, ``device``.
+    """
+
+    def __init__(self, data: Dict[str, Any], *, description: str, training: bool,
+                 blockers: List[Dict[str, Any]], trace: Dict[str, Any], device: str) -> None:
+        self._data = data
+        self.description = description
+        self.training = training
+        self.blockers = blockers
+        self.trace = trace
+        self.device = device
+
+    def __getattr__(self, name: str) -> Any:
+        data = self.__dict__.get("_data", {})
+        if name in data:
+            return data[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def replay_cost(self) -> Dict[str, Any]:
+        return self._data["replay_cost"]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The advice as a JSON-ready dict (without the raw trace)."""
+        return {"description": self.description, "device": self.device,
+                "training": self.training, **self._data, "blockers": self.blockers}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        return format_advice(self)
+
+    def __repr__(self) -> str:
+        return (f"<Advice for {self.description}: {self.verdict}, {self.strategy}, predicted "
+                f"{self.predicted_ms:.3f} ms against {self.eager_ms:.3f} ms eager>")
+
+
+def format_advice(advice: Advice, heading: str = "##") -> str:
+    """The markdown report of ``advice``."""
+    s = advice.summary
+    cost = advice.replay_cost
+    kind = "training iteration" if advice.training else "call"
+    rows = [
+        (f"eager {kind}", f"{advice.eager_ms:.3f} ms"),
+        (f"predicted graphed {kind}", f"{advice.predicted_ms:.3f} ms ({advice.graphs} graph"
+                                      f"{'s' if advice.graphs != 1 else ''})"),
+        ("predicted speedup", f"{advice.predicted_speedup:.2f}x"),
+        ("GPU activities per iteration",
+         f"{s['activities_per_iter']:.0f} ({s['kernels_per_iter']:.0f} kernels)"),
+        ("kernel time per iteration", f"{s['gpu_ms_per_iter']:.3f} ms"),
+        ("activity duration p50 / p90 / max",
+         f"{s['duration_p50_us']:.1f} / {s['duration_p90_us']:.1f} / "
+         f"{s['duration_max_us']:.1f} us"),
+        ("activities under 50 us", f"{100 * s['small_fraction']:.0f}%"),
+        ("GPU busy, eager", f"{100 * advice.eager_gpu_busy:.0f}% (kernel time / eager time); "
+                            f"{100 * s['gpu_busy_fraction']:.0f}% under the profiler"),
+        ("GPU idle per iteration (profiled)",
+         f"{s['idle_ms_per_iter']:.3f} ms; gaps p50 {s['gap_p50_us']:.1f} us, "
+         f"p90 {s['gap_p90_us']:.1f} us"),
+        ("host time per launch call",
+         f"{s['launch_call_us']:.1f} us ({s['launches_per_iter']:.0f} calls per iteration); "
+         f"{s['host_us_per_activity']:.1f} us of host time per GPU activity"),
+        ("replay cost on this GPU",
+         f"{cost['per_node_us']:.2f} us per node + {cost['launch_us']:.1f} us per launch"),
+    ]
+    lines = [f"{heading} graphed advice: {advice.description}", "",
+             f"**{advice.verdict}**: predicted {advice.predicted_speedup:.2f}x; strategy "
+             f"**{advice.strategy}**", "", advice.reason, "", "| | |", "|---|---:|"]
+    lines += [f"| {name} | {value} |" for name, value in rows]
+    lines.append("")
+    if advice.blockers:
+        lines.append(f"Capture blockers ({len(advice.blockers)}), from graphed.check:")
+        for finding in advice.blockers:
+            where = f" at {finding['file']}:{finding['line']}" if finding.get("file") else ""
+            lines.append(f"- {finding['label']}: `{finding['op']}`{where}: {finding['fix']}")
+    else:
+        lines.append("Capture blockers: none found by graphed.check.")
+    if advice.notes:
+        lines += ["", "Notes:"] + [f"- {note}" for note in advice.notes]
+    lines += ["", f"Device: {advice.device}. Prediction: kernel time + "
+                  f"{s['activities_per_iter']:.0f} nodes x {cost['per_node_us']:.2f} us + "
+                  f"{advice.graphs} x {cost['launch_us']:.1f} us (Note [Predicting the graphed "
+                  "time] in src/advice.cpp)."]
+    return "\n".join(lines)
+
+
+def _require_gpu(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise GraphedError(
+            f"{what} profiles the workload on the GPU, and this machine has none "
+            "(torch.cuda.is_available() is False). graphed.check works without a GPU.")
+
+
+def _outermost_module_calls(fn: Callable[[], Any], roots: Sequence[nn.Module]
+                            ) -> List[Tuple[nn.Module, tuple, dict]]:
+    """Runs ``fn()`` once and returns the outermost submodule calls of ``roots``
+    (not the roots themselves) with their arguments: the modules a per-module
+    capture would graph, e.g. a GPT's embedding, each block, norm and head."""
+    calls: List[Tuple[nn.Module, tuple, dict]] = []
+    depth = [0]
+    handles = []
+    submodules = {id(m): m for root in roots for m in root.modules() if m is not root}
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if depth[0] == 0:
+            calls.append((module, args, kwargs))
+        depth[0] += 1
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        depth[0] -= 1
+
+    try:
+        for module in submodules.values():
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(after, with_kwargs=True))
+        fn()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _locate_blockers(fn: Callable[[], Any], roots: Sequence[nn.Module]) -> Tuple[bool, int]:
+    """(blockers sit between modules, module calls a per-module capture graphs).
+    Checks every outermost module call on its own: when each is clean, what
+    graphed.check found in the whole lies in the code between them."""
+    if not roots:
+        return False, 0
+    calls = _outermost_module_calls(fn, roots)
+    for module, args, kwargs in calls:
+        if _check(module, *args, **kwargs):
+            return False, len(calls)
+    return bool(calls), len(calls)
+
+
+def _modules_of(fn: Any) -> List[nn.Module]:
+    if isinstance(fn, nn.Module):
+        return [fn]
+    from .train import _referenced_objects
+
+    return [o for o in _referenced_objects(fn) if isinstance(o, nn.Module)]
+
+
+def _device_name(device: torch.device) -> str:
+    return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
+
+
+def _advise_traced(*, trace: Dict[str, Any], eager_ms: float, device: torch.device,
+                   blockers: List[Dict[str, Any]], between: bool, module_graphs: int,
+                   shapes_vary: bool, training: bool, description: str) -> Advice:
+    cost = _C.replay_cost(device.index if device.index is not None else 0)
+    data = _C.advise_trace(trace, cost, eager_ms, blockers=len(blockers),
+                           blockers_between_modules=between, module_graphs=max(module_graphs, 1),
+                           shapes_vary=shapes_vary, training=training)
+    return Advice(data, description=description, training=training, blockers=blockers,
+                  trace=trace, device=_device_name(device))
+
+
+def advise(fn: Callable[..., Any], *args: Any, other_inputs: Sequence[Any] = (),
+           settings: Optional[ProfileSettings] = None, **kwargs: Any) -> Advice:
+    """Profile ``fn(*args, **kwargs)`` and advise on capturing it as a CUDA graph.
+
+    Runs graphed.check once, then warms ``fn`` up, times it with CUDA events
+    and traces a few iterations with the Kineto profiler. Returns an
+    :class:`Advice`: kernels per iteration and their durations, GPU busy
+    share and idle gaps, host time per launch, the predicted time of the
+    captured function and the speedup, a verdict and a strategy. ``fn`` runs
+    as called (grad mode as it is): advise an inference function under
+    ``torch.no_grad()`` if that is how it runs.
+
+    A module's parameters, buffers and ``training`` flags and the default
+    random generators are restored afterwards.
+
+    Args:
+        other_inputs: further argument tuples ``fn`` will be called with; when
+            their tensor shapes differ from ``args``, the strategy is bucketed.
+        settings: how many calls to warm up, time and trace.
+    """
+    _require_gpu("graphed.advise")
+    settings = settings or ProfileSettings()
+    device = first_cuda_device(args, kwargs, fn) or torch.device("cuda", torch.cuda.current_device())
+    modules = _modules_of(fn)
+    snapshots = [Snapshot(m) for m in modules] or [Snapshot(None)]
+    call = lambda: fn(*args, **kwargs)  # noqa: E731
+    try:
+        report = _check(fn, *args, **kwargs)
+        between, module_graphs = _locate_blockers(call, modules) if report else (False, 0)
+        for snapshot in snapshots:
+            snapshot.restore()
+        trace, eager_ms = _C.profile(call, settings.warmup, settings.timed_iters,
+                                     settings.timed_repeats, settings.profiled_iters)
+    finally:
+        for snapshot in snapshots:
+            snapshot.restore()
+    shapes = tensor_shapes(args)
+    shapes_vary = any(tensor_shapes(other if isinstance(other, tuple) else (other,)) != shapes
+                      for other in other_inputs)
+    return _advise_traced(trace=trace, eager_ms=eager_ms, device=device,
+                          blockers=[f.to_dict() for f in report.findings], between=between,
+                          module_graphs=module_graphs, shapes_vary=shapes_vary, training=False,
+                          description=describe(fn))
+
+
+def eager_training_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        loss_fn: Callable[..., torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+    """The usual eager step: ``zero_grad()``, forward, loss, backward, ``step()``."""
+
+    def step(batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        optimizer.zero_grad()
+        loss = loss_fn(model(*(inputs if isinstance(inputs, tuple) else (inputs,))), targets)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    step.__qualname__ = f"eager step of {type(model).__name__}"
+    return step
+
+
+def _copies(model: nn.Module, optimizer: torch.optim.Optimizer
+            ) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    try:
+        return copy.deepcopy((model, optimizer))
+    except Exception as error:  # noqa: BLE001 - any deepcopy failure has one remedy
+        raise GraphedError(
+            f"graphed needs a copy of the {type(model).__name__} model and its "
+            f"{type(optimizer).__name__} to trace training steps without changing yours, but "
+            f"copy.deepcopy failed: {type(error).__name__}: {error}. Make the model deep-copyable "
+            "(no open files, locks or generators among its attributes).") from error
+
+
+def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[..., torch.Tensor], sample_batch: Tuple[Any, Any], *,
+                    settings: Optional[ProfileSettings] = None) -> Advice:
+    """Advice on capturing a whole training iteration with graphed.TrainStep.
+
+    The trace is of the iteration TrainStep.from_parts captures (gradients
+    dropped rather than zeroed, the optimizer fused or capturable), run eagerly
+    on copies of ``model`` and ``optimizer``, so the prediction is of what the
+    graph will run; the eager time is of the usual step (``zero_grad()``,
+    forward, backward, ``step()``) with ``optimizer`` as configured, on other
+    copies. ``model`` and ``optimizer`` are not touched.
+    ``sample_batch`` is ``(inputs, targets)``.
+    """
+    _require_gpu("graphed.advise_training")
+    settings = settings or ProfileSettings()
+    if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
+        raise GraphedError("Expected sample_batch to be (inputs, targets), got "
+                           f"{type(sample_batch).__name__}.")
+    device = first_cuda_device(sample_batch, model) or torch.device(
+        "cuda", torch.cuda.current_device())
+    rng = Snapshot(None)
+    try:
+        eager_model, eager_optimizer = _copies(model, optimizer)
+        eager = eager_training_step(eager_model, eager_optimizer, loss_fn)
+        for _ in range(settings.warmup):
+            eager(sample_batch)
+        eager_ms = _C.time_ms(lambda: eager(sample_batch), settings.timed_iters,
+                              settings.timed_repeats, 0)
+
+        graph_model, graph_optimizer = _copies(model, optimizer)
+        iteration, _ = training_iteration(graph_model, graph_optimizer, loss_fn, sample_batch)
+        report = _check(iteration, sample_batch)
+        between, module_graphs = (_locate_blockers(lambda: iteration(sample_batch), [graph_model])
+                                  if report else (False, 0))
+        for _ in range(settings.warmup):
+            iteration(sample_batch)
+        trace = _C.record_trace(lambda: iteration(sample_batch), settings.profiled_iters)
+    finally:
+        rng.restore()
+    return _advise_traced(trace=trace, eager_ms=eager_ms, device=device,
+                          blockers=[f.to_dict() for f in report.findings], between=between,
+                          module_graphs=2 * module_graphs, shapes_vary=False, training=True,
+                          description=f"training step of {describe(model)}")

@@ -1,0 +1,418 @@
+"""graphed.optimize: check, advise, apply the recommended capture strategy,
+verify numerics against eager, measure, and report. On any failure, or when
+the graph is not faster, the model and optimizer are left exactly as they were
+and the report says why."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import _C, measure
+from ._C import GraphedError
+from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
+from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
+                     advise_training, eager_training_step, format_advice)
+from .capture import capture
+from .train import TrainStep, training_state
+
+Progress = Callable[[str], None]
+
+
+class _Rejected(Exception):
+    """A step decided not to apply graphs; the message says why."""
+
+
+# --- strategies -----------------------------------------------------------------
+# Note [Strategy table]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Each strategy advise() can recommend maps to how optimize applies it, for
+# inference and for training. An applier returns (graphed callable, undo);
+# undo() takes back whatever the applier changed in place (patched forwards),
+# and is called before the snapshot is restored when anything fails.
+# `in_place` appliers change the model itself, so eager is timed before they
+# run rather than side by side. A strategy is applied only where its applier
+# is available in this version; per-module graphs need
+# graphed.make_graphed_callables, bucketed graphs graphed.auto.
+
+Undo = Callable[[], None]
+
+
+def _nothing() -> None:
+    return None
+
+
+def _capture_whole(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[Callable, Undo]:
+    return capture(fn, *args), _nothing
+
+
+def _train_whole(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                 batch: Any) -> Tuple[Callable, Undo]:
+    return TrainStep.from_parts(model, optimizer, loss_fn, batch), _nothing
+
+
+def _graph_modules(model: nn.Module, run_once: Callable[[], Any]) -> Undo:
+    """Replaces the outermost submodule calls of ``model`` by graphed ones
+    (graphed.make_graphed_callables, torch's signature), in place."""
+    import graphed
+
+    calls = _outermost_module_calls(run_once, [model])
+    modules, samples, seen = [], [], set()
+    for module, args, kwargs in calls:
+        if id(module) in seen:
+            continue  # a module called twice keeps its first sample
+        if kwargs:
+            raise GraphedError(f"per-module capture passes positional arguments only; "
+                               f"{type(module).__name__} was called with keywords {sorted(kwargs)}")
+        seen.add(id(module))
+        modules.append(module)
+        samples.append(tuple(a.detach().clone().requires_grad_(a.requires_grad)
+                             if isinstance(a, torch.Tensor) else a for a in args))
+    had_forward = [("forward" in vars(m), vars(m).get("forward")) for m in modules]
+    graphed.make_graphed_callables(tuple(modules), tuple(samples))
+
+    def undo() -> None:
+        for module, (had, forward) in zip(modules, had_forward):
+            if had:
+                module.forward = forward
+            elif "forward" in vars(module):
+                del module.forward
+
+    return undo
+
+
+def _per_module(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[Callable, Undo]:
+    if not isinstance(fn, nn.Module):
+        raise GraphedError("per-module capture needs an nn.Module, got " + describe(fn))
+    return fn, _graph_modules(fn, lambda: fn(*args))
+
+
+def _train_per_module(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                      batch: Any) -> Tuple[Callable, Undo]:
+    inputs = batch[0] if isinstance(batch[0], tuple) else (batch[0],)
+    undo = _graph_modules(model, lambda: model(*inputs))
+    return eager_training_step(model, optimizer, loss_fn), undo
+
+
+@dataclass
+class _Strategy:
+    inference: Callable[..., Tuple[Callable, Undo]]
+    training: Callable[..., Tuple[Callable, Undo]]
+    needs: Optional[str] = None  # the graphed attribute the strategy relies on
+    in_place: bool = False
+
+    def missing(self) -> Optional[str]:
+        import graphed
+
+        return self.needs if self.needs and not hasattr(graphed, self.needs) else None
+
+
+STRATEGIES: Dict[str, _Strategy] = {
+    "full_capture": _Strategy(_capture_whole, _train_whole),
+    "per_module": _Strategy(_per_module, _train_per_module, needs="make_graphed_callables",
+                            in_place=True),
+    "bucketed": _Strategy(_capture_whole, _train_whole, needs="auto"),
+}
+
+
+# --- the report -------------------------------------------------------------------
+
+
+@dataclass
+class OptimizeReport:
+    """What graphed.optimize did. True when graphs were applied; then ``fn``
+    (inference) or ``step`` (training; call ``step(batch)``) is what to run.
+    ``str()`` is a markdown report, ``to_dict()``/``to_json()`` its JSON form."""
+
+    description: str
+    training: bool
+    applied: bool = False
+    strategy: Optional[str] = None
+    reason: str = ""
+    error: Optional[str] = None
+    advice: Optional[Advice] = None
+    eager_ms: Optional[float] = None
+    graphed_ms: Optional[float] = None
+    max_abs_diff: Optional[float] = None
+    rtol: float = 1e-3
+    atol: float = 1e-4
+    verify_steps: int = 0
+    fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
+    graphed_trace: Optional[Dict[str, Any]] = field(default=None, repr=False)
+
+    @property
+    def step(self) -> Optional[Callable[..., Any]]:
+        return self.fn
+
+    @property
+    def speedup(self) -> Optional[float]:
+        if self.eager_ms and self.graphed_ms:
+            return self.eager_ms / self.graphed_ms
+        return None
+
+    @property
+    def prediction_error(self) -> Optional[float]:
+        """(predicted - measured) / measured graphed time."""
+        if self.advice is None or not self.graphed_ms:
+            return None
+        return (self.advice.predicted_ms - self.graphed_ms) / self.graphed_ms
+
+    def __bool__(self) -> bool:
+        return self.applied
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "description": self.description, "training": self.training,
+            "applied": self.applied, "strategy": self.strategy, "reason": self.reason,
+            "error": self.error, "eager_ms": self.eager_ms, "graphed_ms": self.graphed_ms,
+            "speedup": self.speedup, "prediction_error": self.prediction_error,
+            "max_abs_diff": self.max_abs_diff, "rtol": self.rtol, "atol": self.atol,
+            "verify_steps": self.verify_steps,
+            "advice": self.advice.to_dict() if self.advice is not None else None,
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        state = "applied" if self.applied else "NOT applied"
+        lines = [f"# graphed optimize: {self.description}", "",
+                 f"**{state}** ({self.strategy or 'no strategy'}): {self.reason}", ""]
+        rows: List[Tuple[str, str]] = []
+        if self.eager_ms is not None:
+            rows.append(("eager", f"{self.eager_ms:.3f} ms"))
+        if self.graphed_ms is not None:
+            rows.append(("graphed, measured", f"{self.graphed_ms:.3f} ms"))
+        if self.speedup is not None:
+            rows.append(("speedup, measured", f"{self.speedup:.2f}x"))
+        if self.advice is not None:
+            rows.append(("graphed, predicted", f"{self.advice.predicted_ms:.3f} ms"))
+        if self.prediction_error is not None:
+            rows.append(("prediction error", f"{100 * self.prediction_error:+.1f}%"))
+        if self.max_abs_diff is not None:
+            what = f"{self.verify_steps} steps: losses and parameters" if self.training \
+                else "outputs"
+            rows.append((f"numerics vs eager ({what})",
+                         f"max |diff| {self.max_abs_diff:.3g} (rtol {self.rtol:g}, "
+                         f"atol {self.atol:g})"))
+        if rows:
+            lines += ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows] + [""]
+        if self.error:
+            lines += ["```", self.error.rstrip(), "```", ""]
+        if self.advice is not None:
+            lines.append(format_advice(self.advice, heading="##"))
+        return "\n".join(lines)
+
+
+# --- optimize ----------------------------------------------------------------------
+
+
+def _flatten(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=str) for t in _flatten(value[k])]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flatten(v)]
+    return []
+
+
+def _max_diff(expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], rtol: float,
+              atol: float, what: str) -> float:
+    if len(expected) != len(got):
+        raise _Rejected(f"the graphed {what} has {len(got)} tensors, eager {len(expected)}")
+    worst = 0.0
+    for index, (e, g) in enumerate(zip(expected, got)):
+        if e.shape != g.shape:
+            raise _Rejected(f"{what} tensor {index}: graphed shape {tuple(g.shape)}, eager "
+                            f"{tuple(e.shape)}")
+        diff = (e.float() - g.float()).abs()
+        worst = max(worst, diff.max().item() if diff.numel() else 0.0)
+        if not torch.allclose(g.float(), e.float(), rtol=rtol, atol=atol):
+            raise _Rejected(f"graphed {what} differ from eager: tensor {index} has max |diff| "
+                            f"{diff.max().item():.3g}, beyond rtol={rtol:g}, atol={atol:g}")
+    return worst
+
+
+def _choose(advice: Advice, force: bool) -> str:
+    strategy = advice.strategy
+    if strategy == "fix_blockers":
+        raise _Rejected("capture blockers sit inside the modules; fix what graphed.check lists "
+                        "(see the advice below)")
+    if strategy == "stay_eager":
+        if not force:
+            raise _Rejected(f"{advice.verdict}: predicted {advice.predicted_speedup:.2f}x; pass "
+                            "force=True to apply graphs anyway")
+        return "full_capture"
+    missing = STRATEGIES[strategy].missing()
+    if missing:
+        raise _Rejected(f"the recommended strategy {strategy} needs graphed.{missing}, which this "
+                        "version of graphed does not have")
+    return strategy
+
+
+def _no_progress(stage: str) -> None:
+    return None
+
+
+def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
+             loss_fn: Optional[Callable[..., torch.Tensor]] = None, *, sample_batch: Any,
+             rtol: float = 1e-3, atol: float = 1e-4, verify_steps: int = 3,
+             force: bool = False, settings: Optional[ProfileSettings] = None,
+             progress: Optional[Progress] = None) -> OptimizeReport:
+    """Make ``model`` (or a training step of it) run as CUDA graphs, if that pays.
+
+    Inference form, ``optimize(model, sample_batch=x)``: ``model`` is a module or
+    function, ``sample_batch`` its input (a tensor or a tuple of arguments); it
+    runs under ``torch.no_grad()``. Training form, ``optimize(model, optimizer,
+    loss_fn, sample_batch=(inputs, targets))``: the step is zero-grad, forward,
+    ``loss_fn(model(inputs), targets)``, backward, ``optimizer.step()``.
+
+    Steps: graphed.check and graphed.advise (advise_training); apply the
+    recommended strategy (graphed.capture, graphed.TrainStep, or per-module
+    graphs where available); verify outputs (inference) or ``verify_steps``
+    losses and the parameters after them (training) against eager within
+    ``rtol``/``atol``; time eager and graphed side by side; report.
+
+    Returns an :class:`OptimizeReport`, true when graphs were applied: use
+    ``report.fn(*args)`` or ``report.step(batch)``. When anything fails, the
+    numerics differ or the graph is not faster (unless ``force``), the model,
+    optimizer and random generators are restored exactly and ``report.reason``
+    says why. After a training step is applied, the optimizer is fused or
+    capturable and each ``.grad`` is the graph's buffer (see TrainStep); the
+    weights and optimizer state are those you passed in.
+
+    ``progress(stage)`` is called as each stage starts.
+    """
+    progress = progress or _no_progress
+    settings = settings or ProfileSettings()
+    if optimizer is None:
+        return _optimize_inference(model, sample_batch, rtol, atol, force, settings, progress)
+    if loss_fn is None or not isinstance(model, nn.Module):
+        raise GraphedError(
+            "The training form is optimize(model, optimizer, loss_fn, sample_batch=(inputs, "
+            f"targets)) with an nn.Module model and a loss function; got model "
+            f"{type(model).__name__} and loss_fn {type(loss_fn).__name__}.")
+    return _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol, verify_steps,
+                              force, settings, progress)
+
+
+def _fail(report: OptimizeReport, error: BaseException) -> None:
+    if isinstance(error, _Rejected):
+        report.reason = str(error)
+    else:
+        report.reason = f"{type(error).__name__}: {error}"
+        report.error = traceback.format_exc()
+    report.applied = False
+    report.fn = None
+
+
+def _trace_replays(fn: Callable[[], Any]) -> Optional[Dict[str, Any]]:
+    try:
+        return _C.record_trace(fn, 3)
+    except Exception:  # noqa: BLE001 - e.g. the caller profiles already; timelines are optional
+        return None
+
+
+def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float, force: bool,
+                        settings: ProfileSettings, progress: Progress) -> OptimizeReport:
+    args = sample_batch if isinstance(sample_batch, tuple) else (sample_batch,)
+    report = OptimizeReport(describe(model), training=False, rtol=rtol, atol=atol)
+    snapshot = Snapshot(model if isinstance(model, nn.Module) else None)
+    undo: Undo = _nothing
+    try:
+        with torch.no_grad():
+            progress("check and advise")
+            report.advice = advise(model, *args, settings=settings)
+            report.strategy = _choose(report.advice, force)
+            strategy = STRATEGIES[report.strategy]
+            expected = [t.clone() for t in _flatten(model(*args))]
+            if strategy.in_place:
+                report.eager_ms = measure.cuda_time_ms(lambda: model(*args),
+                                                       iters=settings.timed_iters,
+                                                       repeats=settings.timed_repeats)
+            progress(f"apply {report.strategy}")
+            fast, undo = strategy.inference(model, args)
+            progress("verify")
+            report.max_abs_diff = _max_diff(expected, _flatten(fast(*args)), rtol, atol, "outputs")
+            progress("measure")
+            if strategy.in_place:
+                report.graphed_ms = measure.cuda_time_ms(lambda: fast(*args),
+                                                         iters=settings.timed_iters,
+                                                         repeats=settings.timed_repeats)
+            else:
+                times = measure.compare_ms({"eager": lambda: model(*args),
+                                            "graphed": lambda: fast(*args)},
+                                           iters=settings.timed_iters,
+                                           repeats=settings.timed_repeats)
+                report.eager_ms, report.graphed_ms = times["eager"], times["graphed"]
+            if report.graphed_ms >= report.eager_ms and not force:
+                raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
+                                f"{report.eager_ms:.3f} ms eager")
+            report.graphed_trace = _trace_replays(lambda: fast(*args))
+        report.applied, report.fn = True, fast
+        report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager, outputs "
+                         "match")
+        snapshot.rng.restore()
+    except Exception as error:  # noqa: BLE001 - every failure is reported, state restored
+        _fail(report, error)
+        undo()
+        snapshot.restore()
+    return report
+
+
+def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       loss_fn: Callable[..., torch.Tensor], batch: Any, rtol: float,
+                       atol: float, verify_steps: int, force: bool, settings: ProfileSettings,
+                       progress: Progress) -> OptimizeReport:
+    report = OptimizeReport(f"training step of {describe(model)}", training=True, rtol=rtol,
+                            atol=atol, verify_steps=verify_steps)
+    snapshot = Snapshot(model, optimizer)
+    undo: Undo = _nothing
+    try:
+        progress("check and advise")
+        report.advice = advise_training(model, optimizer, loss_fn, batch, settings=settings)
+        report.strategy = _choose(report.advice, force)
+        strategy = STRATEGIES[report.strategy]
+
+        progress("eager reference")
+        reference_model, reference_optimizer = _copies(model, optimizer)
+        eager = eager_training_step(reference_model, reference_optimizer, loss_fn)
+        rng = RngSnapshot()
+        expected = [eager(batch) for _ in range(verify_steps)]
+        expected += [p.detach().clone() for p in reference_model.parameters()]
+        rng.restore()
+
+        progress(f"apply {report.strategy}")
+        step, undo = strategy.training(model, optimizer, loss_fn, batch)
+        guard_state = step.guard.state() if getattr(step, "guard", None) is not None else []
+        captured = ValueSnapshot(training_state([model], [optimizer], guard_state))
+
+        progress("verify")
+        got = [step(batch) for _ in range(verify_steps)]
+        got += [p.detach().clone() for p in model.parameters()]
+        report.max_abs_diff = _max_diff(expected, got, rtol, atol, "losses and parameters")
+        captured.restore()
+
+        progress("measure")
+        times = measure.compare_ms({"eager": lambda: eager(batch), "graphed": lambda: step(batch)},
+                                   iters=settings.timed_iters, repeats=settings.timed_repeats)
+        report.eager_ms, report.graphed_ms = times["eager"], times["graphed"]
+        if report.graphed_ms >= report.eager_ms and not force:
+            raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
+                            f"{report.eager_ms:.3f} ms eager")
+        report.graphed_trace = _trace_replays(lambda: step(batch))
+        captured.restore()
+        report.applied, report.fn = True, step
+        report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager; "
+                         f"{verify_steps} steps match eager")
+    except Exception as error:  # noqa: BLE001 - every failure is reported, state restored
+        _fail(report, error)
+        undo()
+        snapshot.restore()
+    return report

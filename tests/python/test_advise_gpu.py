@@ -1,0 +1,194 @@
+"""graphed.advise and graphed.optimize on the bench workloads (GPU tier): the advice
+is sane, optimize ends faster than eager with matching numerics, and a failed
+optimize leaves model and optimizer exactly as they were."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphed
+from graphed import workloads
+
+pytestmark = pytest.mark.gpu
+
+QUICK = graphed.ProfileSettings(timed_iters=5, timed_repeats=3)
+
+
+def gpt_parts():
+    workloads.configure_numerics()
+    model, tokens, targets = workloads.gpt_train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer, (tokens, targets)
+
+
+def state_of(model, optimizer=None):
+    """Everything an exact restore must bring back, by identity and value."""
+    state = {"params": [(id(p), p.detach().clone()) for p in model.parameters()],
+             "grads": [(id(p.grad) if p.grad is not None else None) for p in model.parameters()],
+             "buffers": [b.detach().clone() for b in model.buffers()],
+             "rng": torch.cuda.get_rng_state()}
+    if optimizer is not None:
+        state["groups"] = [{k: v for k, v in g.items() if k != "params"}
+                           for g in optimizer.param_groups]
+        state["state"] = {id(p): dict(s) for p, s in optimizer.state.items()}
+        state["attributes"] = sorted(vars(optimizer))
+    return state
+
+
+def assert_same_state(before, after):
+    assert [i for i, _ in before["params"]] == [i for i, _ in after["params"]]
+    for (_, a), (_, b) in zip(before["params"], after["params"]):
+        assert torch.equal(a, b)
+    assert before["grads"] == after["grads"]
+    for a, b in zip(before["buffers"], after["buffers"]):
+        assert torch.equal(a, b)
+    assert torch.equal(before["rng"], after["rng"])
+    if "groups" in before:
+        assert before["groups"] == after["groups"]
+        assert before["state"].keys() == after["state"].keys()
+        assert before["attributes"] == after["attributes"]
+
+
+def test_advise_mlp_inference():
+    workloads.configure_numerics()
+    model, x = workloads.mlp_inference()
+    with torch.no_grad():
+        advice = graphed.advise(model, x, settings=QUICK)
+    assert advice.summary["kernels_per_iter"] == pytest.approx(80, abs=8)
+    assert advice.verdict == "graphs help"
+    assert advice.strategy == "full_capture"
+    assert advice.summary["gpu_ms_per_iter"] < advice.predicted_ms < advice.eager_ms
+    assert advice.blockers == []
+    json.dumps(advice.to_dict())
+    assert "graphed.capture" in str(advice)
+
+
+def test_advise_gpt_training_step_without_touching_it():
+    model, optimizer, batch = gpt_parts()
+    before = state_of(model, optimizer)
+    advice = graphed.advise_training(model, optimizer, workloads.gpt_loss, batch, settings=QUICK)
+    assert_same_state(before, state_of(model, optimizer))
+    assert advice.training
+    assert advice.verdict == "graphs help"
+    assert advice.strategy == "full_capture"
+    # The traced iteration is TrainStep's: fused AdamW and no gradient memsets,
+    # so fewer activities than the eager loop's ~450.
+    assert 150 < advice.summary["activities_per_iter"] < 420
+    assert advice.predicted_ms < advice.eager_ms
+    assert "graphed.TrainStep" in advice.reason
+
+
+def test_advise_reports_blockers_between_modules():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    model = model.cuda()
+
+    def fn(x):
+        h = model[0](x)
+        if h.sum().item() > 1e9:  # a host read between the modules
+            h = h * 0
+        return model[2](model[1](h))
+
+    advice = graphed.advise(fn, torch.randn(16, 64, device="cuda"), settings=QUICK)
+    assert len(advice.blockers) == 1
+    assert advice.strategy in ("per_module", "stay_eager")
+    if advice.strategy == "per_module":
+        assert advice.graphs == 3
+
+
+def test_optimize_mlp_inference_is_faster_and_matches():
+    workloads.configure_numerics()
+    model, x = workloads.mlp_inference()
+    report = graphed.optimize(model, sample_batch=x, settings=QUICK)
+    assert report.applied, str(report)
+    assert report.strategy == "full_capture"
+    assert report.graphed_ms < report.eager_ms
+    assert report.max_abs_diff <= 1e-4
+    with torch.no_grad():
+        assert torch.allclose(report.fn(x), model(x), rtol=1e-3, atol=1e-4)
+    assert abs(report.prediction_error) < 0.5, str(report)
+    json.loads(report.to_json())
+
+
+def test_optimize_gpt_training_is_faster_and_matches():
+    model, optimizer, batch = gpt_parts()
+    initial = [p.detach().clone() for p in model.parameters()]
+    report = graphed.optimize(model, optimizer, workloads.gpt_loss, sample_batch=batch,
+                              settings=QUICK)
+    assert report.applied, str(report)
+    assert report.strategy == "full_capture"
+    assert report.graphed_ms < report.eager_ms
+    assert report.max_abs_diff <= 1e-3
+    # Verification and timing steps were taken back: the weights are those passed in.
+    for p, q in zip(model.parameters(), initial):
+        assert torch.equal(p, q)
+    loss = report.step(batch)
+    assert torch.isfinite(loss).all()
+
+
+def test_failed_optimize_restores_model_and_optimizer_exactly():
+    model, optimizer, batch = gpt_parts()
+    # A first eager step gives the optimizer state and the parameters gradients.
+    optimizer.zero_grad()
+    workloads.gpt_loss(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+    before = state_of(model, optimizer)
+
+    def exploding_loss(output, targets):
+        # Fails during TrainStep's capture: after the optimizer was made
+        # capturable and its state and the gradients were replaced.
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("loss exploded")
+        return workloads.gpt_loss(output, targets)
+
+    report = graphed.optimize(model, optimizer, exploding_loss, sample_batch=batch,
+                              settings=QUICK)
+    assert not report.applied
+    assert report.reason, "a failed optimize says why"
+    assert_same_state(before, state_of(model, optimizer))
+    assert optimizer.param_groups[0]["lr"] == 1e-4 and not optimizer.param_groups[0]["fused"]
+
+
+def test_optimize_refuses_blockers_inside_modules_and_changes_nothing():
+    class Blocked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y * float(y.abs().max().item() > 0)
+
+    model = torch.nn.Sequential(Blocked(), torch.nn.Linear(32, 4)).cuda()
+    before = state_of(model)
+    report = graphed.optimize(model, sample_batch=torch.randn(8, 32, device="cuda"),
+                              settings=QUICK)
+    assert not report.applied
+    assert report.advice.strategy == "fix_blockers"
+    assert "capture blockers sit inside the modules" in report.reason
+    assert_same_state(before, state_of(model))
+
+
+def test_cli_optimize_gpt_with_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    (tmp_path / "gpt_factory.py").write_text(
+        "import torch\n"
+        "from graphed import workloads\n\n\n"
+        "def make():\n"
+        "    workloads.configure_numerics()\n"
+        "    model, tokens, targets = workloads.gpt_train()\n"
+        "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)\n"
+        "    return model, optimizer, workloads.gpt_loss, (tokens, targets)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    plot = tmp_path / "gpt.png"
+    result = subprocess.run([sys.executable, "-m", "graphed", "optimize", "gpt_factory:make",
+                             "--json", "--plot", str(plot)], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["applied"] and report["speedup"] > 1
+    assert plot.read_bytes()[:4] == b"\x89PNG"
