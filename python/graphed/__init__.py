@@ -25,9 +25,10 @@ from ._C import (
     SafetyFinding,
     SafetyReport,
 )
-from .capture import capture, graph_pool_handle
+from .capture import capture, capture_stream, graph_pool_handle
 from .check import check
 from .train import TrainStep, make_capturable
+from . import distributed
 
 __version__ = "0.1.0"
 
@@ -54,8 +55,10 @@ __all__ = [
     "SafetyFinding",
     "SafetyReport",
     "capture",
+    "capture_stream",
     "check",
     "cmake_prefix_path",
+    "distributed",
     "graph_pool_handle",
     "make_capturable",
 ]
