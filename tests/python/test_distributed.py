@@ -89,6 +89,7 @@ def test_check_ddp_names_backend_and_device(gloo_world):
         "Expected a DistributedDataParallel model, got Linear."]
 
 
+@pytest.mark.filterwarnings("ignore:You passed find_unused_parameters=true:UserWarning")
 def test_unused_parameter_search_and_no_sync_are_refused(gloo_world):
     searching = ddp(find_unused_parameters=True)
     assert any("find_unused_parameters=True" in p for p in distributed.check_ddp(searching))
