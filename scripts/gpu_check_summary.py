@@ -1,5 +1,6 @@
-"""Prints the summary table of scripts/gpu-check from its output folder:
-test counts from the JUnit files of ctest and pytest, and the benchmark rows."""
+"""Prints the summary table of scripts/gpu-check (or gpu-check-multi) from its
+output folder: test counts from the JUnit files of ctest and pytest, and the
+benchmark rows: ``gpu_check_summary.py OUT [--bench h200.json]``."""
 
 import json
 import os
@@ -23,7 +24,7 @@ def junit_counts(path):
     return total - failed - skipped, failed, skipped
 
 
-def main(out):
+def main(out, bench_name="h200.json"):
     print("\n## gpu-check summary\n")
     print("| tests | passed | failed | skipped |")
     print("|---|---:|---:|---:|")
@@ -33,7 +34,7 @@ def main(out):
             print(f"| {name} | not run | | |")
         else:
             print(f"| {name} | {counts[0]} | {counts[1]} | {counts[2]} |")
-    bench = os.path.join(out, "h200.json")
+    bench = os.path.join(out, bench_name)
     if not os.path.exists(bench):
         print("\nbenchmarks: not run")
         return
@@ -50,9 +51,11 @@ def main(out):
             for case, us in data["host_us"].items():
                 print(f"| {workload} | {case} | {us:.2f} us host | | | | |")
             continue
-        print(f"| {workload} | kernel floor | {data['kernel_floor_ms']:.4f} | 1.00 | | | |")
+        if "kernel_floor_ms" in data:
+            print(f"| {workload} | kernel floor | {data['kernel_floor_ms']:.4f} | 1.00 | | | |")
         for method, r in data["methods"].items():
-            print(f"| {workload} | {method} | {r['ms']:.4f} | {r['ratio_to_floor']:.2f} | "
+            floor = f"{r['ratio_to_floor']:.2f}" if "ratio_to_floor" in r else ""
+            print(f"| {workload} | {method} | {r['ms']:.4f} | {floor} | "
                   f"{r['speedup_vs_eager']:.2f} | {r.get('capture_ms', '')} | "
                   f"{r.get('graph_mb', '')} |")
     if results.get("advice"):
@@ -67,4 +70,10 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "build/gpu-check")
+    arguments = sys.argv[1:]
+    bench_name = "h200.json"
+    if "--bench" in arguments:
+        at = arguments.index("--bench")
+        bench_name = arguments[at + 1]
+        del arguments[at:at + 2]
+    main(arguments[0] if arguments else "build/gpu-check", bench_name)

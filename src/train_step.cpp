@@ -4,6 +4,10 @@
 #include "graphed/static_io.h"
 
 #include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace graphed {
 namespace {
@@ -67,6 +71,53 @@ std::vector<c10::IValue> microbatch(const std::vector<c10::IValue>& batch, int64
     }));
   }
   return part;
+}
+
+std::string describe_stream(const c10::Stream& stream) {
+  if (stream.id() == 0) {
+    return c10::str("the default stream of ", stream.device().str());
+  }
+  return c10::str("stream ", stream.id(), " of ", stream.device().str());
+}
+
+// Checks what Note [Capturing collectives] asks of the options and of the
+// hooked parameters' gradient accumulators, before any warm-up runs (a
+// warm-up would launch collectives the other ranks may not match).
+void check_collective_capture(const TrainStepOptions& options) {
+  const CollectiveCapture& collectives = *options.collectives;
+  GRAPHED_CHECK(options.error_mode != CaptureErrorMode::kGlobal, options.description,
+                " runs ", collectives.issuer, "'s collectives, which cannot be captured in the "
+                "\"global\" capture error mode: NCCL's watchdog thread queries CUDA events while "
+                "the capture runs, and in that mode the query invalidates the capture. Use "
+                "capture_error_mode=\"thread_local\" (the default for DistributedDataParallel).");
+  GRAPHED_CHECK(options.warmup_iters >= kCollectiveWarmupIters, options.description, " runs ",
+                collectives.issuer, "'s collectives and needs at least ", kCollectiveWarmupIters,
+                " warm-up iterations before capture, got ", options.warmup_iters,
+                ": DDP rebuilds its gradient buckets after the first iteration and times "
+                "iterations 1 to 10 with CUDA events it synchronizes on, neither of which can be "
+                "captured. Use warmup >= ", kCollectiveWarmupIters, " (the default for "
+                "DistributedDataParallel).");
+  for (size_t i = 0; i < collectives.hooked_params.size(); ++i) {
+    const at::Tensor& param = collectives.hooked_params[i];
+    if (!param.defined() || !param.is_cuda() || !param.requires_grad()) {
+      continue;
+    }
+    const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+    if (!accumulator || accumulator->num_inputs() == 0) {
+      // Created by the first backward of warm-up, on the capture stream.
+      continue;
+    }
+    const c10::Stream found = accumulator->input_metadata(0).stream();
+    const c10::Stream expected = capture_stream(param.device().index()).unwrap();
+    GRAPHED_CHECK(found == expected, collectives.issuer, " launches its all-reduces from the "
+                  "gradient accumulator of parameter ", i, " (", describe_tensor(param),
+                  "), which runs on ", describe_stream(found), ", the stream that was current "
+                  "when ", collectives.issuer, " was constructed; capture needs it on graphed's "
+                  "capture stream (", describe_stream(expected), "), or the captured backward "
+                  "would make the other stream wait on captured work. Construct the model with "
+                  "graphed.distributed.prepare_ddp(module), or under "
+                  "`with torch.cuda.stream(graphed.capture_stream()):`.");
+  }
 }
 
 }  // namespace
@@ -143,6 +194,9 @@ TrainStep::TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_bat
   if (options_.batch_names.empty()) {
     options_.batch_names = default_batch_names(sample_batch.size());
   }
+  if (options_.collectives) {
+    check_collective_capture(options_);
+  }
   const std::string description = options_.description;
   CapturableFunction iteration = [step = std::move(step),
                                   description](const std::vector<c10::IValue>& batch) {
@@ -167,14 +221,41 @@ TrainStep::TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_bat
 }
 
 at::Tensor TrainStep::step(const std::vector<c10::IValue>& batch) {
-  return (*train_)(batch).toTensor();
+  return train_graph_mutable()(batch).toTensor();
+}
+
+const CapturedFunction& TrainStep::train_graph() const {
+  GRAPHED_CHECK(train_ != nullptr, options_.description, " was released (release()): its graphs "
+                "are gone. Create a new TrainStep to train again.");
+  return *train_;
+}
+
+CapturedFunction& TrainStep::train_graph_mutable() {
+  (void)train_graph();
+  return *train_;
+}
+
+void TrainStep::release() {
+  if (train_ == nullptr) {
+    return;
+  }
+  // Replays still running on the device read the graphs' memory; and a graph
+  // that captured NCCL work keeps the communicator alive until it is
+  // destroyed (Note [Capturing collectives], point 4).
+  {
+    c10::cuda::CUDAGuard device_guard(train_->graph().device());
+    c10::cuda::device_synchronize();
+  }
+  steps_before_release_ = train_->stats().replays;
+  eval_.reset();
+  train_.reset();
 }
 
 void TrainStep::capture_eval(CapturableFunction evaluate, std::vector<c10::IValue> sample_inputs,
                              int warmup_iters) {
   CaptureOptions capture_options;
   capture_options.warmup_iters = warmup_iters;
-  capture_options.pool = train_->graph().pool();
+  capture_options.pool = train_graph().graph().pool();
   capture_options.error_mode = options_.error_mode;
   capture_options.state = options_.state;
   capture_options.description = "the evaluation of " + options_.description;
@@ -183,6 +264,7 @@ void TrainStep::capture_eval(CapturableFunction evaluate, std::vector<c10::IValu
 }
 
 c10::IValue TrainStep::evaluate(const std::vector<c10::IValue>& inputs) {
+  (void)train_graph();
   GRAPHED_CHECK(eval_ != nullptr, "No evaluation graph: call capture_eval() first.");
   return (*eval_)(inputs);
 }

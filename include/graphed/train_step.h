@@ -21,6 +21,56 @@
 
 namespace graphed {
 
+/// Eager iterations an iteration that runs DistributedDataParallel needs
+/// before it can be captured; see Note [Capturing collectives].
+constexpr int kCollectiveWarmupIters = 11;
+
+/// Note [Capturing collectives]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// Under DistributedDataParallel (DDP) the backward launches NCCL all-reduces
+/// from hooks on the parameters' gradient accumulators. NCCL (>= 2.9.6) lets
+/// a graph capture them, and a whole-iteration graph then replays forward,
+/// backward, all-reduces and optimizer as one launch. Four things decide
+/// whether that capture works, and TrainStep checks each before warm-up:
+///
+/// 1. The accumulators' stream. Autograd runs a leaf's AccumulateGrad node,
+///    and the hook DDP puts on it, on the stream that was current when the
+///    node was created. DDP creates the nodes at construction and keeps them.
+///    Built under the default stream, the capture's backward makes that
+///    non-capturing stream wait on captured work and the capture fails with
+///    an opaque "operation not permitted when stream is capturing". DDP must
+///    therefore be built under graphed's capture stream (capture_stream()),
+///    the stream warm-up and capture run on. Megatron builds its DDP on its
+///    capture stream for the same reason.
+/// 2. Warm-up of at least kCollectiveWarmupIters iterations. DDP's reducer
+///    rebuilds its buckets once, after the first iteration, with a broadcast
+///    that synchronizes with the host; and in iterations 1 to 10 it records
+///    CUDA timing events and synchronizes on them at the start of the next
+///    forward (Reducer::should_collect_runtime_stats). Neither may happen in
+///    the captured iteration: warm-up takes DDP past both (PyTorch's CUDA
+///    graph notes ask for 11 eager DDP iterations before capture).
+/// 3. A capture error mode other than global. ProcessGroupNCCL's watchdog
+///    thread polls the events of eager collectives (those of warm-up) while
+///    the capture runs; in global mode such a query from any thread
+///    invalidates the capture. thread_local polices only the capturing thread.
+/// 4. Teardown. A graph that captured NCCL work holds a reference on the
+///    communicator, and ncclCommDestroy waits until every such graph is
+///    destroyed, so destroy_process_group() hangs while the graph lives
+///    (pytorch#115388). release() destroys the graphs first.
+/// Settings that only exist in Python (the process group's backend, NCCL's
+/// environment, DDP's own options) are checked by graphed.distributed.
+
+/// What an iteration that runs collectives from gradient hooks (DDP's
+/// all-reduces) needs for them to be captured with it.
+struct CollectiveCapture {
+  /// Who launches the collectives, for messages.
+  std::string issuer = "DistributedDataParallel";
+  /// The parameters whose gradient-accumulator hooks launch the collectives;
+  /// their accumulators must run on the capture stream (see Note [Capturing
+  /// collectives], point 1).
+  std::vector<at::Tensor> hooked_params;
+};
+
 /// One training iteration: takes the batch (one value per batch name) and
 /// returns the loss, a CUDA tensor with one element (as an IValue, so that
 /// host languages can return whatever they like and get a clear error).
@@ -48,6 +98,10 @@ struct TrainStepOptions {
   /// Return a copy of the loss that stays valid after the next step (one
   /// device copy); otherwise the static loss tensor, overwritten by each step.
   bool clone_loss = true;
+  /// Set when the iteration runs collectives that are captured with it:
+  /// warm-up and error mode are then checked against Note [Capturing
+  /// collectives] before warm-up starts.
+  std::optional<CollectiveCapture> collectives;
 };
 
 /// The parts of the usual training iteration, for TrainStep::from_parts.
@@ -108,20 +162,31 @@ class TrainStep {
   /// True once capture_eval() succeeded.
   bool has_eval() const { return eval_ != nullptr; }
 
-  /// The captured iteration.
-  const CapturedFunction& train_graph() const { return *train_; }
+  /// Destroys the captured graphs and releases their memory once the device
+  /// has finished every replay. Needed before the process group of captured
+  /// collectives is destroyed (Note [Capturing collectives], point 4). After
+  /// it step() and evaluate() throw. Does nothing when already released.
+  void release();
+  /// True once release() ran.
+  bool released() const { return train_ == nullptr; }
+
+  /// The captured iteration; throws once released.
+  const CapturedFunction& train_graph() const;
   /// The captured evaluation; throws when there is none.
   const CapturedFunction& eval_graph() const;
   /// Steps taken.
-  int64_t steps() const { return train_->stats().replays; }
+  int64_t steps() const { return train_ ? train_->stats().replays : steps_before_release_; }
   /// The options.
   const TrainStepOptions& options() const { return options_; }
 
  private:
+  CapturedFunction& train_graph_mutable();
+
   TrainStepOptions options_;
   std::shared_ptr<GradientGuard> guard_;
   std::unique_ptr<CapturedFunction> train_;
   std::unique_ptr<CapturedFunction> eval_;
+  int64_t steps_before_release_ = 0;
 };
 
 }  // namespace graphed

@@ -26,10 +26,11 @@ from ._C import (
     SafetyFinding,
     SafetyReport,
 )
-from .capture import capture, graph_pool_handle
+from .capture import capture, capture_stream, graph_pool_handle
 from .check import check
 from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
+from . import distributed
 
 __version__ = "0.1.0"
 
@@ -57,11 +58,13 @@ __all__ = [
     "SafetyFinding",
     "SafetyReport",
     "capture",
+    "capture_stream",
     "check",
     "graph_stats",
     "graphed_core",
     "make_graphed_callables",
     "cmake_prefix_path",
+    "distributed",
     "graph_pool_handle",
     "make_capturable",
 ]

@@ -20,6 +20,24 @@ def graph_pool_handle() -> PoolHandle:
     return _C.graph_pool_handle()
 
 
+def _device_index(device: Optional[Any]) -> int:
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def capture_stream(device: Optional[Any] = None) -> torch.cuda.Stream:
+    """The stream graphed warms up and captures on, for ``device`` (the current
+    CUDA device when omitted). One per device, alive for the whole process.
+
+    Work that later captures must see on this stream belongs here; e.g. a
+    DistributedDataParallel model whose all-reduces a TrainStep captures must
+    be constructed under it (graphed.distributed.prepare_ddp does so)."""
+    index = _device_index(device)
+    return torch.cuda.ExternalStream(_C.capture_stream_handle(index), device=index)
+
+
 def _describe(fn: Callable[..., Any]) -> str:
     if isinstance(fn, torch.nn.Module):
         return f"module `{type(fn).__name__}`"

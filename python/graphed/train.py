@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, distributed
 from ._C import GraphedError
 
 _FUSED_KINDS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -284,14 +284,23 @@ class TrainStep:
         pool: a memory pool handle to capture into.
         capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
         clone_loss: return a loss that stays valid after the next step.
+
+    Under DistributedDataParallel (a DDP module among ``modules``) the gradient
+    all-reduces are captured too. Build the DDP with
+    :func:`graphed.distributed.prepare_ddp` (on graphed's capture stream); the
+    defaults become ``warmup=11`` and ``capture_error_mode="thread_local"``; what
+    cannot work (backend, NCCL environment, DDP options) is refused here with
+    the fix; end with :func:`graphed.distributed.shutdown`, which releases the
+    graph before the process group. See Note [Capturing collectives] in
+    include/graphed/train_step.h.
     """
 
     def __init__(self, step_fn: Callable[[Any], torch.Tensor], sample_batch: Any, *,
-                 warmup: int = 3, microbatches: Optional[int] = None,
+                 warmup: Optional[int] = None, microbatches: Optional[int] = None,
                  modules: Optional[Iterable[nn.Module]] = None,
                  optimizers: Optional[Iterable[torch.optim.Optimizer]] = None,
                  state: Iterable[torch.Tensor] = (), pool: Optional[Tuple[int, int]] = None,
-                 capture_error_mode: str = "global", clone_loss: bool = True,
+                 capture_error_mode: Optional[str] = None, clone_loss: bool = True,
                  guard: Optional[Any] = None) -> None:
         if microbatches is not None:
             if not isinstance(sample_batch, (list, tuple)) or len(sample_batch) != microbatches:
@@ -302,6 +311,12 @@ class TrainStep:
                     f"Expected sample_batch to be a list or tuple of {microbatches} microbatches "
                     f"(microbatches={microbatches}), got {found}.")
         self.modules, self.optimizers = find_training_objects(step_fn, modules, optimizers)
+        hooked = distributed.collective_capture(self.modules)
+        if warmup is None:
+            warmup = 3 if hooked is None else distributed.COLLECTIVE_WARMUP_ITERS
+        if capture_error_mode is None:
+            capture_error_mode = ("global" if hooked is None
+                                  else distributed.COLLECTIVE_CAPTURE_ERROR_MODE)
         for optimizer in self.optimizers:
             make_capturable(optimizer)
         self.guard = guard
@@ -309,7 +324,9 @@ class TrainStep:
         known = {id(t) for t in tensors}
         self._core = _C.TrainStep(step_fn, sample_batch, warmup,
                                   None if pool is None else tuple(pool), capture_error_mode,
-                                  tensors, clone_loss, _describe(step_fn))
+                                  tensors, clone_loss, _describe(step_fn), hooked)
+        if hooked is not None:
+            distributed.register(self)
         _reset_lazy_state(self.optimizers, known)
         # Gradients the capture created (a step that drops them allocates new
         # ones in the graph's pool) hold garbage until the first step: zero them.
@@ -324,8 +341,9 @@ class TrainStep:
                    loss_fn: Callable[..., torch.Tensor], sample_batch: Tuple[Any, Any], *,
                    microbatches: int = 1, clip_grad_norm: Optional[float] = None,
                    amp: Optional[str] = None, skip_nonfinite: bool = False,
-                   loss_scaling: Optional[_C.LossScaling] = None, warmup: int = 3,
-                   pool: Optional[Tuple[int, int]] = None) -> "TrainStep":
+                   loss_scaling: Optional[_C.LossScaling] = None, warmup: Optional[int] = None,
+                   pool: Optional[Tuple[int, int]] = None,
+                   capture_error_mode: Optional[str] = None) -> "TrainStep":
         """The usual iteration, built from its parts.
 
         ``sample_batch`` is ``(inputs, targets)``; ``inputs`` a tensor or a tuple of
@@ -336,13 +354,16 @@ class TrainStep:
         then the non-finite check (``skip_nonfinite``: a step whose loss or
         gradients are not finite leaves weights and optimizer state untouched),
         clipping to ``clip_grad_norm``, the optimizer step, and the loss-scale
-        update. Returns the mean loss."""
+        update. Returns the mean loss. ``model`` may be a DistributedDataParallel
+        (see the class documentation)."""
+        distributed.collective_capture([model])  # DDP problems first, before any other work
         iteration, guard = training_iteration(
             model, optimizer, loss_fn, sample_batch, microbatches=microbatches,
             clip_grad_norm=clip_grad_norm, amp=amp, skip_nonfinite=skip_nonfinite,
             loss_scaling=loss_scaling)
         return cls(iteration, sample_batch, warmup=warmup, modules=[model],
-                   optimizers=[optimizer], state=guard.state(), pool=pool, guard=guard)
+                   optimizers=[optimizer], state=guard.state(), pool=pool,
+                   capture_error_mode=capture_error_mode, guard=guard)
 
     def step(self, batch: Any) -> torch.Tensor:
         """Copies ``batch`` into the static buffers, replays the iteration and
@@ -360,6 +381,18 @@ class TrainStep:
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Replays the evaluation graph on new inputs."""
         return self._core.evaluate(*args, **kwargs)
+
+    def release(self) -> None:
+        """Destroys the captured graphs and frees their memory, once the GPU has
+        finished every step. Required before the process group of captured
+        all-reduces is destroyed (graphed.distributed.shutdown does it). Later
+        steps raise. Does nothing the second time."""
+        self._core.release()
+
+    @property
+    def released(self) -> bool:
+        """True once :meth:`release` ran."""
+        return self._core.released
 
     @property
     def skipped_steps(self) -> int:

@@ -114,6 +114,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");
   m.def("cuda_device_count", [] { return static_cast<int>(c10::cuda::device_count()); });
+  m.def(
+      "capture_stream_handle",
+      [](int device) {
+        return reinterpret_cast<intptr_t>(
+            capture_stream(static_cast<c10::DeviceIndex>(device)).stream());
+      },
+      py::arg("device"),
+      "The cudaStream_t (as an int) graphed warms up and captures on for `device`.");
   m.def("graph_pool_handle", [] { return pool_to_python(new_pool()); },
         "A pool handle that several captures can share (replay them in capture order).");
   m.def("capture", &capture_python, py::arg("function"), py::arg("args"), py::arg("kwargs"),

@@ -13,7 +13,9 @@ std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sa
                                            int warmup, const py::object& pool,
                                            const std::string& capture_error_mode,
                                            std::vector<at::Tensor> state, bool clone_loss,
-                                           std::string description) {
+                                           std::string description,
+                                           std::optional<std::vector<at::Tensor>> collective_params,
+                                           std::string collective_issuer) {
   TrainStepOptions options;
   options.warmup_iters = warmup;
   options.pool = pool_from_python(pool);
@@ -21,6 +23,10 @@ std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sa
   options.state = std::move(state);
   options.clone_loss = clone_loss;
   options.description = std::move(description);
+  if (collective_params) {
+    options.collectives = CollectiveCapture{std::move(collective_issuer),
+                                            std::move(*collective_params)};
+  }
   std::vector<c10::IValue> sample{to_ivalue(sample_batch)};
   TrainStepFunction call = wrap_single_argument_call(std::move(step));
   py::gil_scoped_release no_gil;
@@ -34,7 +40,8 @@ void register_training(py::module_& m) {
       m, "TrainStep", "A whole training iteration captured as one CUDA graph.")
       .def(py::init(&make_train_step), py::arg("step"), py::arg("sample_batch"),
            py::arg("warmup"), py::arg("pool"), py::arg("capture_error_mode"), py::arg("state"),
-           py::arg("clone_loss"), py::arg("description"))
+           py::arg("clone_loss"), py::arg("description"), py::arg("collective_params") = py::none(),
+           py::arg("collective_issuer") = "DistributedDataParallel")
       .def(
           "step",
           [](TrainStep& self, const py::object& batch) {
@@ -67,6 +74,12 @@ void register_training(py::module_& m) {
              }
              return to_python(outputs);
            })
+      .def("release",
+           [](TrainStep& self) {
+             py::gil_scoped_release no_gil;
+             self.release();
+           })
+      .def_property_readonly("released", &TrainStep::released)
       .def_property_readonly("has_eval", &TrainStep::has_eval)
       .def_property_readonly("steps", &TrainStep::steps)
       .def_property_readonly(
@@ -109,6 +122,7 @@ void register_training(py::module_& m) {
       .def("state", &GradientGuard::state);
 
   m.def("clip_grad_norm", &clip_grad_norm, py::arg("grads"), py::arg("max_norm"));
+  m.attr("COLLECTIVE_WARMUP_ITERS") = kCollectiveWarmupIters;
 }
 
 }  // namespace graphed::python

@@ -8,7 +8,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
+
+#include <utility>
 
 namespace graphed {
 namespace {
@@ -181,6 +185,85 @@ TEST(TrainStepOnGpu, FromPartsAccumulatesMicrobatchesAndSkipsNonFiniteSteps) {
   (void)step.step({batch_of(bad_x, at::randn({8, 1}, options))});
   EXPECT_TRUE(at::equal(layer->weight.detach(), weight));
   EXPECT_EQ(step.guard()->skipped_steps(), 1);
+}
+
+// Note [Capturing collectives]: the options are checked before any warm-up,
+// so these need no GPU (the step function would fail if it ran).
+TrainStepOptions collective_options(CaptureErrorMode mode, int warmup) {
+  TrainStepOptions options;
+  options.state = {at::ones({1})};
+  options.error_mode = mode;
+  options.warmup_iters = warmup;
+  options.collectives = CollectiveCapture{};
+  return options;
+}
+
+IValue never_called(const std::vector<IValue>&) {
+  ADD_FAILURE() << "the iteration ran although the options were invalid";
+  return IValue();
+}
+
+TEST(TrainStepValidation, CollectivesRefuseTheGlobalCaptureMode) {
+  EXPECT_THROW_WITH(TrainStep(never_called, {at::ones({2})},
+                              collective_options(CaptureErrorMode::kGlobal, 11)),
+                    Error, "capture_error_mode=\"thread_local\"");
+}
+
+TEST(TrainStepValidation, CollectivesNeedElevenWarmupIterations) {
+  EXPECT_THROW_WITH(TrainStep(never_called, {at::ones({2})},
+                              collective_options(CaptureErrorMode::kThreadLocal, 3)),
+                    Error, "at least 11 warm-up iterations before capture, got 3");
+}
+
+// What DDP does at construction: create (and keep) each parameter's gradient
+// accumulator, on the stream current at that moment.
+// A shared_ptr in torch 2.11, an intrusive_ptr in 2.14.
+using AccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()));
+
+std::vector<AccumulatorPtr> keep_accumulators(const std::vector<at::Tensor>& params) {
+  std::vector<AccumulatorPtr> kept;
+  for (const at::Tensor& p : params) {
+    kept.emplace_back(torch::autograd::impl::grad_accumulator(p));
+  }
+  return kept;
+}
+
+TEST(TrainStepOnGpu, CollectivesNeedAccumulatorsOnTheCaptureStream) {
+  GRAPHED_REQUIRE_GPU();
+  Regression model(0);
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  const IValue batch = batch_of(at::randn({16, 8}, options), at::randn({16, 1}, options));
+  auto step_options = collective_options(CaptureErrorMode::kThreadLocal, 11);
+  step_options.state = model.state();
+  step_options.collectives->hooked_params = model.layer->parameters();
+  const auto iteration = [&](const std::vector<IValue>& b) { return model.iteration(b); };
+  {
+    const auto on_default_stream = keep_accumulators(model.layer->parameters());
+    EXPECT_THROW_WITH(TrainStep(iteration, {batch}, step_options), Error,
+                      "runs on the default stream of cuda:0");
+  }
+  c10::cuda::CUDAStreamGuard on_capture_stream(capture_stream(0));
+  const auto on_capture = keep_accumulators(model.layer->parameters());
+  TrainStep step(iteration, {batch}, step_options);
+  EXPECT_EQ(step.steps(), 0);
+}
+
+TEST(TrainStepOnGpu, ReleaseDestroysTheGraphsAndLaterStepsRaise) {
+  GRAPHED_REQUIRE_GPU();
+  Regression model(0);
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  const IValue batch = batch_of(at::randn({16, 8}, options), at::randn({16, 1}, options));
+  TrainStepOptions step_options;
+  step_options.state = model.state();
+  TrainStep step([&](const std::vector<IValue>& b) { return model.iteration(b); }, {batch},
+                 step_options);
+  (void)step.step({batch});
+  (void)step.step({batch});
+  step.release();
+  EXPECT_TRUE(step.released());
+  EXPECT_EQ(step.steps(), 2);
+  EXPECT_THROW_WITH(step.step({batch}), Error, "was released");
+  step.release();  // a second release does nothing
 }
 
 }  // namespace
