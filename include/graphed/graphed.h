@@ -4,6 +4,7 @@
 /// Everything graphed offers LibTorch programs. Link the `graphed::graphed`
 /// CMake target (find_package(graphed)) and include this header.
 
+#include "graphed/bucket_policy.h"
 #include "graphed/capture.h"
 #include "graphed/capture_blockers.h"
 #include "graphed/capture_watcher.h"
@@ -11,6 +12,7 @@
 #include "graphed/cuda_handles.h"
 #include "graphed/grad_guard.h"
 #include "graphed/graph.h"
+#include "graphed/graph_manager.h"
 #include "graphed/optim.h"
 #include "graphed/safety_check.h"
 #include "graphed/signature.h"

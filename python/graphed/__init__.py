@@ -26,6 +26,7 @@ from ._C import (
     SafetyReport,
 )
 from .capture import capture, graph_pool_handle
+from .auto import auto, stats as auto_stats
 from .check import check
 from .train import TrainStep, make_capturable
 
@@ -51,6 +52,8 @@ __all__ = [
     "InputMismatchError",
     "LossScaling",
     "TrainStep",
+    "auto",
+    "auto_stats",
     "SafetyFinding",
     "SafetyReport",
     "capture",

@@ -14,4 +14,7 @@ void register_training(pybind11::module_& m);
 // which the Python adapter records host calls (check_bindings.cpp).
 void register_safety_check(pybind11::module_& m);
 
+// graphed.auto: GraphManager, module selection, memory sizes (auto_bindings.cpp).
+void register_auto(pybind11::module_& m);
+
 }  // namespace graphed::python
