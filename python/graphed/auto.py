@@ -163,7 +163,15 @@ def _module_infos(model: nn.Module) -> List[tuple]:
 
 
 def _resolve(model: nn.Module, modules: Union[ModuleChoice, Sequence[ModuleChoice]]) -> List[str]:
-    choices = [modules] if isinstance(modules, (str, type)) else list(modules)
+    if isinstance(modules, (str, type)):
+        choices = [modules]
+    elif isinstance(modules, (list, tuple)):
+        choices = list(modules)
+    else:
+        raise TypeError(
+            "modules must hold submodule names (str) or nn.Module classes, got "
+            f"{type(modules).__name__}"
+        )
     names: List[str] = []
     for choice in choices:
         if isinstance(choice, str):

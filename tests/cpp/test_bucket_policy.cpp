@@ -10,20 +10,22 @@
 namespace graphed {
 namespace {
 
+using Buckets = std::map<int64_t, std::vector<int64_t>>;
+
 TEST(BucketPolicy, SortsAndDeduplicatesSizes) {
-  const BucketPolicy policy({{0, {8, 1, 4, 2, 4}}});
+  const BucketPolicy policy(Buckets{{0, {8, 1, 4, 2, 4}}});
   EXPECT_EQ(policy.buckets().at(0), (std::vector<int64_t>{1, 2, 4, 8}));
   EXPECT_EQ(policy.describe(), "{0: [1, 2, 4, 8]}");
 }
 
 TEST(BucketPolicy, RefusesBadBucketsWithTheFix) {
-  EXPECT_THROW_WITH(BucketPolicy({{-1, {1, 2}}}), Error, "counted from the front (>= 0), got -1");
-  EXPECT_THROW_WITH(BucketPolicy({{0, {}}}), Error, "at least one size for bucketed dimension 0");
-  EXPECT_THROW_WITH(BucketPolicy({{1, {0, 4}}}), Error, "Expected bucket sizes >= 1, got 0");
+  EXPECT_THROW_WITH(BucketPolicy(Buckets{{-1, {1, 2}}}), Error, "counted from the front (>= 0), got -1");
+  EXPECT_THROW_WITH(BucketPolicy(Buckets{{0, {}}}), Error, "at least one size for bucketed dimension 0");
+  EXPECT_THROW_WITH(BucketPolicy(Buckets{{1, {0, 4}}}), Error, "Expected bucket sizes >= 1, got 0");
 }
 
 TEST(BucketPolicy, PadsUpToTheSmallestCoveringBucket) {
-  const BucketPolicy policy({{0, {1, 2, 4, 8, 16, 32, 64}}});
+  const BucketPolicy policy(Buckets{{0, {1, 2, 4, 8, 16, 32, 64}}});
   EXPECT_EQ(policy.bucket_for(0, 1), 1);
   EXPECT_EQ(policy.bucket_for(0, 13), 16);
   EXPECT_EQ(policy.bucket_for(0, 64), 64);
@@ -32,7 +34,7 @@ TEST(BucketPolicy, PadsUpToTheSmallestCoveringBucket) {
 }
 
 TEST(BucketPolicy, PlansEveryTensorThatHasTheDimension) {
-  const BucketPolicy policy({{0, {4, 8}}, {1, {16, 32}}});
+  const BucketPolicy policy(Buckets{{0, {4, 8}}, {1, {16, 32}}});
   const std::vector<int64_t> x{5, 20};
   const std::vector<int64_t> mask{5};
   std::string why;
@@ -49,7 +51,7 @@ TEST(BucketPolicy, PlansEveryTensorThatHasTheDimension) {
 }
 
 TEST(BucketPolicy, ExactSizeNeedsNoPadding) {
-  const BucketPolicy policy({{0, {4, 8}}});
+  const BucketPolicy policy(Buckets{{0, {4, 8}}});
   const std::vector<int64_t> x{8, 3};
   const auto plan = policy.plan({x}, {"args[0]"}, nullptr);
   ASSERT_TRUE(plan.has_value());
@@ -57,7 +59,7 @@ TEST(BucketPolicy, ExactSizeNeedsNoPadding) {
 }
 
 TEST(BucketPolicy, SizeAboveTheLargestBucketSaysWhatToAdd) {
-  const BucketPolicy policy({{0, {1, 2, 4}}});
+  const BucketPolicy policy(Buckets{{0, {1, 2, 4}}});
   const std::vector<int64_t> x{7, 3};
   std::string why;
   EXPECT_FALSE(policy.plan({x}, {"args[0]"}, &why).has_value());
@@ -68,7 +70,7 @@ TEST(BucketPolicy, SizeAboveTheLargestBucketSaysWhatToAdd) {
 }
 
 TEST(BucketPolicy, TensorsThatDisagreeAlongADimensionAreNamed) {
-  const BucketPolicy policy({{0, {8}}});
+  const BucketPolicy policy(Buckets{{0, {8}}});
   const std::vector<int64_t> a{3, 2};
   const std::vector<int64_t> b{5, 2};
   std::string why;
@@ -77,7 +79,7 @@ TEST(BucketPolicy, TensorsThatDisagreeAlongADimensionAreNamed) {
 }
 
 TEST(BucketPolicy, DimensionNoTensorHasIsLeftOut) {
-  const BucketPolicy policy({{2, {8}}});
+  const BucketPolicy policy(Buckets{{2, {8}}});
   const std::vector<int64_t> x{3, 2};
   const auto plan = policy.plan({x}, {"args[0]"}, nullptr);
   ASSERT_TRUE(plan.has_value());
@@ -85,7 +87,7 @@ TEST(BucketPolicy, DimensionNoTensorHasIsLeftOut) {
 }
 
 TEST(BucketPolicy, CombinationsComeLargestFirst) {
-  const BucketPolicy policy({{0, {1, 4}}, {1, {2, 3}}});
+  const BucketPolicy policy(Buckets{{0, {1, 4}}, {1, {2, 3}}});
   const BucketPlan like({BucketedDim{0, 1, 1}, BucketedDim{1, 2, 2}});
   const std::vector<BucketPlan> combos = policy.combinations_largest_first(like);
   ASSERT_EQ(combos.size(), 4u);

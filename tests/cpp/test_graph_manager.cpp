@@ -15,6 +15,7 @@ namespace graphed {
 namespace {
 
 using c10::IValue;
+using Buckets = std::map<int64_t, std::vector<int64_t>>;
 
 TEST(MemorySize, ParsesUnitsOfBothKinds) {
   EXPECT_EQ(parse_memory_size("1048576"), 1048576);
@@ -253,7 +254,7 @@ TEST_F(ManagerFixture, NewSignatureGetsItsOwnGraph) {
 TEST_F(ManagerFixture, BucketsCaptureLargestFirstThenPadAndSlice) {
   GraphManagerOptions options;
   options.warmup = 1;
-  options.buckets = BucketPolicy({{0, {1, 2, 4, 8}}});
+  options.buckets = BucketPolicy(Buckets{{0, {1, 2, 4, 8}}});
   GraphManager manager = make(options);
   const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
   (void)manager.call(m, call_inputs(at::ones({3, 2})));  // warm-up
@@ -279,7 +280,7 @@ TEST_F(ManagerFixture, BucketsCaptureLargestFirstThenPadAndSlice) {
 TEST_F(ManagerFixture, UncoveredSizeFallsBackWithTheFix) {
   GraphManagerOptions options;
   options.warmup = 1;
-  options.buckets = BucketPolicy({{0, {2, 4}}});
+  options.buckets = BucketPolicy(Buckets{{0, {2, 4}}});
   GraphManager manager = make(options);
   const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
   (void)manager.call(m, call_inputs(at::ones({2, 2})));
@@ -300,7 +301,7 @@ TEST_F(ManagerFixture, UncoveredSizeFallsBackWithTheFix) {
 TEST_F(ManagerFixture, RaisePolicyRaisesForACallNoGraphServes) {
   GraphManagerOptions options;
   options.warmup = 1;
-  options.buckets = BucketPolicy({{0, {2, 4}}});
+  options.buckets = BucketPolicy(Buckets{{0, {2, 4}}});
   options.fallback = FallbackPolicy::kRaise;
   GraphManager manager = make(options);
   const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
