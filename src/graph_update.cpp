@@ -102,6 +102,9 @@ bool read_kernel(const detail::DriverCalls& driver, cudaGraphNode_t node,
   if (params.kernelParams == nullptr) {
     return params.extra == nullptr;  // a kernel without parameters, or packed ones
   }
+  if (params.func == nullptr && params.kern == nullptr) {
+    return false;  // nothing to ask for the parameters' layout
+  }
   for (size_t index = 0;; ++index) {
     size_t offset = 0;
     size_t size = 0;
