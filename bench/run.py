@@ -23,6 +23,14 @@ import mlp_inference  # noqa: E402
 WORKLOADS = {"mlp_inference": mlp_inference.run, "gpt_train": gpt_train.run,
              "host_overhead": host_overhead.run}
 
+# graphed.auto
+import decode  # noqa: E402
+import graph_update  # noqa: E402
+
+WORKLOADS["decode"] = decode.run
+WORKLOADS["graph_update"] = graph_update.run
+WORKLOADS["gpt_train_blocker"] = gpt_train.run_blocker
+
 
 def markdown(results) -> str:
     lines = []

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <chrono>
 #include <sstream>
 
@@ -57,6 +58,14 @@ double elapsed_ms(std::chrono::steady_clock::time_point since) {
 }
 
 }  // namespace
+
+InputUpdate parse_input_update(std::string_view name) {
+  if (name == "copy") return InputUpdate::kCopy;
+  if (name == "repoint") return InputUpdate::kRepoint;
+  if (name == "auto") return InputUpdate::kAuto;
+  GRAPHED_THROW(Error, "Expected input_update to be \"copy\", \"repoint\" or \"auto\", got \"",
+                name, "\".");
+}
 
 CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> sample,
                          CaptureOptions options) {
@@ -123,6 +132,21 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
     captured.graph_.capture([&] { output = function(captured.inputs_.tree()); }, graph_options);
     captured.outputs_ = StaticOutputs(std::move(output));
     check_outputs(captured.outputs_, options.description);
+    if (options.input_update != InputUpdate::kCopy) {
+      const std::vector<at::Tensor>& buffers = captured.inputs_.buffers();
+      const std::vector<size_t>& mutated = captured.inputs_.mutated();
+      captured.sites_.assign(buffers.size(), std::nullopt);
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        captured.bound_.push_back(buffers[i].data_ptr());
+        if (std::find(mutated.begin(), mutated.end(), i) == mutated.end() &&
+            buffers[i].nbytes() > 0) {
+          captured.sites_[i] = captured.graph_.find_references(buffers[i].data_ptr(),
+                                                               buffers[i].nbytes());
+          captured.stats_.repointable_inputs += captured.sites_[i] ? 1 : 0;
+        }
+      }
+      captured.last_seen_.assign(buffers.size(), nullptr);
+    }
   } catch (c10::Error& error) {
     snapshot.restore();
     error.add_context("Capture changed nothing: buffers and random generators were restored "
@@ -161,6 +185,40 @@ void CapturedFunction::raise_mismatch(const std::vector<c10::IValue>& inputs) co
   GRAPHED_THROW(InputMismatchError, message.str());
 }
 
+void CapturedFunction::bring_inputs() {
+  // See Note [Re-pointing a graph].
+  const std::vector<at::Tensor>& buffers = inputs_.buffers();
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const at::Tensor& tensor = scratch_[i];
+    const at::Tensor& buffer = buffers[i];
+    const void* address = tensor.data_ptr();
+    bool repoint = false;
+    if (sites_[i] && address != buffer.data_ptr() && tensor.strides().equals(buffer.strides())) {
+      repoint = options_.input_update == InputUpdate::kRepoint || address == bound_[i] ||
+                address == last_seen_[i] ||
+                static_cast<int64_t>(tensor.nbytes()) >= options_.repoint_min_bytes;
+    }
+    last_seen_[i] = address;
+    if (repoint) {
+      if (bound_[i] != address) {
+        graph_.repoint(*sites_[i], address);
+        bound_[i] = address;
+        ++stats_.input_repoints;
+      }
+      continue;
+    }
+    if (sites_[i] && bound_[i] != buffer.data_ptr()) {
+      graph_.repoint(*sites_[i], buffer.data_ptr());
+      bound_[i] = buffer.data_ptr();
+    }
+    if (!tensor.is_same(buffer)) {
+      buffer.copy_(tensor, /*non_blocking=*/true);
+      ++stats_.input_copies;
+    }
+  }
+}
+
 c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_inputs) {
   std::vector<c10::IValue> with_guards;
   const std::vector<c10::IValue>* inputs = &call_inputs;
@@ -182,7 +240,11 @@ c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_in
     }
   }
   c10::cuda::CUDAGuard device_guard(graph_.device());
-  stats_.input_copies += static_cast<int64_t>(inputs_.load(scratch_));
+  if (sites_.empty()) {
+    stats_.input_copies += static_cast<int64_t>(inputs_.load(scratch_));
+  } else {
+    bring_inputs();
+  }
   graph_.replay();
   inputs_.store_back(scratch_);
   ++stats_.replays;

@@ -4,6 +4,7 @@
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
 #include "graphed/source_location.h"
+#include "pointer_sites.h"
 #include "torch_graph.h"
 
 #include <ATen/cuda/CUDAGraph.h>
@@ -75,6 +76,21 @@ void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& 
 }  // namespace
 
 PoolId new_pool() { return at::cuda::graph_pool_handle(); }
+
+PoolMemory pool_memory(PoolId pool, c10::DeviceIndex device) {
+  PoolMemory memory;
+  if (c10::cuda::device_count() == 0) {
+    return memory;
+  }
+  const auto snapshot = c10::cuda::CUDACachingAllocator::snapshot(pool, /*include_traces=*/false);
+  for (const auto& segment : snapshot.segments) {
+    if (segment.device == device && segment.owner_private_pool_id == pool) {
+      memory.reserved_bytes += static_cast<int64_t>(segment.total_size);
+      memory.allocated_bytes += static_cast<int64_t>(segment.allocated_size);
+    }
+  }
+  return memory;
+}
 
 CaptureErrorMode parse_capture_error_mode(std::string_view name) {
   if (name == "global") return CaptureErrorMode::kGlobal;
@@ -183,13 +199,9 @@ c10::Device Graph::device() const {
 GraphStats Graph::stats() const {
   GRAPHED_CHECK(is_captured(), "This Graph is empty: call capture() first.");
   GraphStats stats = node_stats_;
-  const auto snapshot = c10::cuda::CUDACachingAllocator::snapshot(pool_, /*include_traces=*/false);
-  for (const auto& segment : snapshot.segments) {
-    if (segment.device == device_ && segment.owner_private_pool_id == pool_) {
-      stats.pool_reserved_bytes += static_cast<int64_t>(segment.total_size);
-      stats.pool_allocated_bytes += static_cast<int64_t>(segment.allocated_size);
-    }
-  }
+  const PoolMemory memory = pool_memory(pool_, device_);
+  stats.pool_reserved_bytes = memory.reserved_bytes;
+  stats.pool_allocated_bytes = memory.allocated_bytes;
   return stats;
 }
 

@@ -17,6 +17,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace graphed {
@@ -34,6 +35,23 @@ struct CaptureGuard {
   /// Reads the current value.
   std::function<c10::IValue()> read;
 };
+
+/// How a call brings an input tensor that is not the static buffer into the
+/// graph; see Note [Re-pointing a graph] in src/graph_update.cpp.
+enum class InputUpdate {
+  /// Copy it into the static buffer.
+  kCopy,
+  /// Re-point the graph's kernels at the tensor (copy when the graph cannot
+  /// be re-pointed at that input, or the tensor's layout differs).
+  kRepoint,
+  /// Re-point inputs of at least CaptureOptions::repoint_min_bytes and inputs
+  /// that arrive where the previous call's did (re-pointed once, free
+  /// afterwards); copy the rest.
+  kAuto,
+};
+
+/// Parses "copy", "repoint" or "auto".
+InputUpdate parse_input_update(std::string_view name);
 
 /// Options of capture().
 struct CaptureOptions {
@@ -56,6 +74,10 @@ struct CaptureOptions {
   std::vector<CaptureGuard> guards;
   /// What is captured, for messages, e.g. "function `forward`".
   std::string description = "the function";
+  /// See InputUpdate. Inputs the function writes in place are always copied.
+  InputUpdate input_update = InputUpdate::kCopy;
+  /// The size from which InputUpdate::kAuto re-points rather than copies.
+  int64_t repoint_min_bytes = int64_t{4} << 20;
   /// Record autograd too: warm-up and capture run with grad mode enabled, so a
   /// function that calls backward() (a training step) is captured whole.
   /// When false (inference), they run under no_grad and calls refuse inputs
@@ -69,6 +91,10 @@ struct CapturedFunctionStats {
   int64_t replays = 0;
   /// Input tensors copied into static buffers, over all calls.
   int64_t input_copies = 0;
+  /// Times the graph was re-pointed at an input's new address.
+  int64_t input_repoints = 0;
+  /// Inputs the graph can be re-pointed at (InputUpdate other than kCopy).
+  int64_t repointable_inputs = 0;
   /// Wall time of the warm-up runs, in milliseconds.
   double warmup_ms = 0.0;
 };
@@ -105,6 +131,7 @@ class CapturedFunction {
   CapturedFunction() = default;
   [[noreturn]] void raise_mismatch(const std::vector<c10::IValue>& inputs) const;
   std::vector<c10::IValue> guarded_inputs(const std::vector<c10::IValue>& inputs) const;
+  void bring_inputs();
 
   // Kept alive because the graph reads the memory the function owns (a
   // module's parameters).
@@ -116,6 +143,11 @@ class CapturedFunction {
   Graph graph_;
   CapturedFunctionStats stats_;
   std::vector<at::Tensor> scratch_;
+  // Per input: its re-pointing site in graph_ (none: always copied), where
+  // the graph reads it now, and where the previous call's tensor lived.
+  std::vector<std::optional<size_t>> sites_;
+  std::vector<const void*> bound_;
+  std::vector<const void*> last_seen_;
 };
 
 /// Warms `function` up on `sample`, captures it and returns the captured

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -20,6 +21,7 @@ namespace graphed {
 
 namespace detail {
 class TorchGraph;
+struct PointerSites;
 }  // namespace detail
 
 /// Identifies a memory pool that graphs allocate from (torch's MempoolId_t).
@@ -77,6 +79,18 @@ struct GraphStats {
   double capture_ms = 0.0;
 };
 
+/// Device memory a pool holds on one device.
+struct PoolMemory {
+  /// Bytes of the pool's segments (cudaMalloc'd).
+  int64_t reserved_bytes = 0;
+  /// Bytes of those segments in live allocations.
+  int64_t allocated_bytes = 0;
+};
+
+/// What `pool` holds on `device` now (read from the caching allocator's
+/// snapshot, so not for hot paths). Zeros for a pool nothing allocated from.
+PoolMemory pool_memory(PoolId pool, c10::DeviceIndex device);
+
 /// The stream graphed warms up and captures on for `device`.
 ///
 /// Note [One capture stream per device]
@@ -117,6 +131,21 @@ class Graph {
   /// Launches the graph on the current stream of the capture device.
   void replay();
 
+  /// Finds every reference the graph's kernels make into the device memory
+  /// [base, base + bytes) (a static input buffer), so that repoint() can move
+  /// them. Returns the id of that site, or nullopt when the graph could reach
+  /// the memory where the scan cannot see (see Note [Re-pointing a graph] in
+  /// src/graph_update.cpp); the graph is unchanged either way.
+  std::optional<size_t> find_references(const void* base, size_t bytes);
+  /// Makes the references of `site` point at the same offsets from `base`
+  /// (memory of the same layout and size) from the next replay on, by
+  /// updating the instantiated graph's kernel parameters in place
+  /// (cudaGraphExecKernelNodeSetParams). Cheap when few kernels read the
+  /// site; no device work.
+  void repoint(size_t site, const void* base);
+  /// Kernel nodes that reference `site`.
+  size_t reference_count(size_t site) const;
+
   /// True once capture() succeeded.
   bool is_captured() const noexcept { return torch_graph_ != nullptr; }
   /// The pool the graph allocated from; pass it to another capture to share.
@@ -132,6 +161,7 @@ class Graph {
 
  private:
   std::unique_ptr<detail::TorchGraph> torch_graph_;
+  std::unique_ptr<detail::PointerSites> pointer_sites_;
   PoolId pool_{0, 0};
   c10::DeviceIndex device_ = -1;
   GraphStats node_stats_;

@@ -5,6 +5,7 @@
 /// CMake target (find_package(graphed)) and include this header.
 
 #include "graphed/advice.h"
+#include "graphed/bucket_policy.h"
 #include "graphed/capture.h"
 #include "graphed/capture_blockers.h"
 #include "graphed/capture_watcher.h"
@@ -14,6 +15,7 @@
 #include "graphed/graph.h"
 #include "graphed/graph_schedule.h"
 #include "graphed/graphed_callable.h"
+#include "graphed/graph_manager.h"
 #include "graphed/optim.h"
 #include "graphed/profile.h"
 #include "graphed/safety_check.h"

@@ -27,6 +27,7 @@ from ._C import (
     SafetyReport,
 )
 from .capture import capture, capture_stream, graph_pool_handle
+from .auto import auto, stats as auto_stats
 from .check import check
 from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
@@ -55,6 +56,8 @@ __all__ = [
     "InputMismatchError",
     "LossScaling",
     "TrainStep",
+    "auto",
+    "auto_stats",
     "SafetyFinding",
     "SafetyReport",
     "capture",

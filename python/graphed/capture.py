@@ -53,6 +53,7 @@ def capture(
     pool: Optional[PoolHandle] = None,
     capture_error_mode: str = "global",
     clone_outputs: bool = False,
+    input_update: str = "copy",
 ) -> _C.CapturedFunction:
     """Capture ``fn(*sample_args, **sample_kwargs)`` as a CUDA graph.
 
@@ -75,6 +76,11 @@ def capture(
             (``cudaStreamCaptureMode``).
         clone_outputs: return clones instead of the graph's static outputs.
             Without it, outputs are overwritten by the next call.
+        input_update: how a call's input tensors reach the graph: ``"copy"``
+            into the static buffers; ``"repoint"`` the graph's kernels at the
+            tensors (cudaGraphExecUpdate of kernel parameters, no copy) where
+            the graph allows it; ``"auto"`` re-points large inputs and inputs
+            that keep arriving at one address, and copies the rest.
 
     Raises:
         graphed.CaptureError: the function cannot be captured; the message
@@ -100,4 +106,5 @@ def capture(
         state,
         guards,
         _describe(fn),
+        input_update,
     )

@@ -4,7 +4,7 @@ measured on different days stay comparable."""
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -117,4 +117,117 @@ def gpt_train(device: str = "cuda", batch: int = 8, length: int = 128,
     model = GPT(vocab=vocab, context=length).to(device)
     tokens = torch.randint(0, vocab, (batch, length), device=device)
     targets = torch.randint(0, vocab, (batch, length), device=device)
+    return model, tokens, targets
+
+
+class DecodeBlock(nn.Module):
+    """One decode step of a pre-LayerNorm block: the single query of each
+    sequence attends to fixed K and V caches of length 512 (sliced to the
+    batch), then a 4x GELU MLP; both with residuals. Only q of the qkv Linear
+    is used, as in DESIGN.md's decode workload."""
+
+    def __init__(self, width: int, heads: int, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        # Views of the model's cache buffers, [max_batch, heads, length, head_dim].
+        # Plain attributes, not buffers: they are the model's state (its
+        # state_dict holds them once) and the block only reads them.
+        self.caches = (k_cache, v_cache)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, width = x.shape
+        q = self.qkv(self.norm1(x))[:, :width]
+        q = q.view(batch, self.heads, 1, width // self.heads)
+        k, v = (cache[:batch] for cache in self.caches)
+        attention = nn.functional.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(attention.reshape(batch, width))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class Decoder(nn.Module):
+    """``layers`` DecodeBlocks over K and V cache buffers of shape
+    ``[layers, max_batch, heads, length, width // heads]``."""
+
+    def __init__(self, width: int = 512, heads: int = 8, layers: int = 8, max_batch: int = 64,
+                 length: int = 512, device: str = "cuda",
+                 caches: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        super().__init__()
+        shape = (layers, max_batch, heads, length, width // heads)
+        if caches is None:
+            caches = (torch.randn(shape, device=device), torch.randn(shape, device=device))
+        self.register_buffer("k_cache", caches[0])
+        self.register_buffer("v_cache", caches[1])
+        self.blocks = nn.ModuleList(
+            DecodeBlock(width, heads, self.k_cache[i], self.v_cache[i]) for i in range(layers))
+        self.to(device)
+        self.config = dict(width=width, heads=heads, layers=layers, max_batch=max_batch,
+                           length=length)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def decode_copy(model: Decoder) -> Decoder:
+    """Another Decoder with the same weights (copied) and the same caches
+    (shared, not copied: they are gigabytes), in the same mode, so that
+    methods that modify their model (graphed.auto) leave ``model`` alone."""
+    copy = Decoder(device=str(model.k_cache.device), caches=(model.k_cache, model.v_cache),
+                   **model.config)
+    copy.load_state_dict(model.state_dict())
+    return copy.train(model.training)
+
+
+DECODE_BATCHES = (1, 3, 5, 8, 13, 21, 32, 47, 64)
+
+DECODE_DESCRIPTION = (
+    "decode: 8 blocks (d=512, 8 heads): LayerNorm, qkv Linear (q only), attention of one query "
+    "against fixed K/V caches of length 512 ([8, 64, 8, 512, 64] buffers sliced to the batch), "
+    "output Linear, residual, LayerNorm + 4x GELU MLP, residual; input (B, 512), B cycling "
+    "through 1, 3, 5, 8, 13, 21, 32, 47, 64; ms per step averaged over the cycle; fp32 with "
+    "TF32 matmuls, eval mode, no_grad"
+)
+
+
+def decode(device: str = "cuda", layers: int = 8, width: int = 512, heads: int = 8,
+           max_batch: int = 64, length: int = 512,
+           batches: Tuple[int, ...] = DECODE_BATCHES) -> Tuple[nn.Module, Tuple[torch.Tensor, ...]]:
+    """The ``decode`` workload: the model in eval mode (seed 0) and one input
+    per batch size of the cycle."""
+    torch.manual_seed(0)
+    model = Decoder(width, heads, layers, max_batch, length, device).eval()
+    inputs = tuple(torch.randn(batch, width, device=device) for batch in batches)
+    return model, inputs
+
+
+class HostReadGPTBlock(GPTBlock):
+    """A GPTBlock that reads a value to the host on every call (``.item()``),
+    as logging or a data-dependent branch would: it cannot be captured."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.detach().abs().amax().item() > 1e6:  # never true; still a host sync
+            x = x * 0.5
+        return super().forward(x)
+
+
+GPT_TRAIN_BLOCKER_DESCRIPTION = GPT_TRAIN_DESCRIPTION.replace(
+    "gpt_train:", "gpt_train_blocker:") + "; block 3 calls .item() on every forward"
+
+
+def gpt_train_blocker(device: str = "cuda", batch: int = 8, length: int = 128,
+                      vocab: int = 4096, blocked: int = 3):
+    """The gpt_train workload with block ``blocked`` a HostReadGPTBlock (same weights)."""
+    model, tokens, targets = gpt_train(device, batch, length, vocab)
+    original = model.blocks[blocked]
+    replacement = HostReadGPTBlock(original.norm1.normalized_shape[0], original.heads).to(device)
+    replacement.load_state_dict(original.state_dict())
+    model.blocks[blocked] = replacement
     return model, tokens, targets

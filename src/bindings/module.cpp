@@ -69,8 +69,9 @@ std::shared_ptr<CapturedFunction> capture_python(
     py::object function, const py::tuple& args, const py::dict& kwargs, int warmup,
     const py::object& pool, const std::string& capture_error_mode, bool clone_outputs,
     std::vector<at::Tensor> state, const std::vector<std::pair<std::string, py::object>>& guards,
-    std::string description) {
+    std::string description, const std::string& input_update) {
   CaptureOptions options;
+  options.input_update = parse_input_update(input_update);
   options.warmup_iters = warmup;
   options.pool = pool_from_python(pool);
   options.error_mode = parse_capture_error_mode(capture_error_mode);
@@ -110,6 +111,7 @@ PYBIND11_MODULE(_C, m) {
   register_safety_check(m);
   register_graphed_callables(m);
   register_advice(m);
+  register_auto(m);
 
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");
@@ -126,7 +128,8 @@ PYBIND11_MODULE(_C, m) {
         "A pool handle that several captures can share (replay them in capture order).");
   m.def("capture", &capture_python, py::arg("function"), py::arg("args"), py::arg("kwargs"),
         py::arg("warmup"), py::arg("pool"), py::arg("capture_error_mode"),
-        py::arg("clone_outputs"), py::arg("state"), py::arg("guards"), py::arg("description"));
+        py::arg("clone_outputs"), py::arg("state"), py::arg("guards"), py::arg("description"),
+        py::arg("input_update") = "copy");
 
   py::class_<CapturedFunction, std::shared_ptr<CapturedFunction>>(
       m, "CapturedFunction",
@@ -162,6 +165,8 @@ PYBIND11_MODULE(_C, m) {
             py::dict out = graph_stats_to_python(self.graph().stats());
             out["replays"] = self.stats().replays;
             out["input_copies"] = self.stats().input_copies;
+            out["input_repoints"] = self.stats().input_repoints;
+            out["repointable_inputs"] = self.stats().repointable_inputs;
             out["warmup_ms"] = self.stats().warmup_ms;
             return out;
           },

@@ -19,5 +19,7 @@ void register_graphed_callables(pybind11::module_& m);
 // graphed.advise: traces, the replay cost and the advice arithmetic
 // (advice_bindings.cpp).
 void register_advice(pybind11::module_& m);
+// graphed.auto: GraphManager, module selection, memory sizes (auto_bindings.cpp).
+void register_auto(pybind11::module_& m);
 
 }  // namespace graphed::python

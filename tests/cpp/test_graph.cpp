@@ -195,5 +195,36 @@ TEST(GraphOnGpu, RandomOpsWorkAfterAFailedCapture) {
   EXPECT_FALSE(at::equal(first, y)) << "dropout masks must differ between replays";
 }
 
+TEST(GraphOnGpu, RepointReadsTheNewAddressAndKeepsOtherInputs) {
+  GRAPHED_REQUIRE_GPU();
+  const at::Tensor x = at::randn({256, 128}, cuda_floats());
+  const at::Tensor w = at::randn({128, 128}, cuda_floats());
+  const at::Tensor bias = at::randn({128}, cuda_floats());
+  at::Tensor y;
+  Graph graph;
+  graph.capture([&] { y = at::relu(at::addmm(bias, x * 2.0, w)) + x.sum(0); });
+  const std::optional<size_t> site = graph.find_references(x.data_ptr(), x.nbytes());
+  if (!site) {
+    GTEST_SKIP() << "this driver or graph cannot be re-pointed (Note [Re-pointing a graph])";
+  }
+  EXPECT_GE(graph.reference_count(*site), 2u);  // the scale and the column sum read x
+  const std::optional<size_t> bias_site = graph.find_references(bias.data_ptr(), bias.nbytes());
+  ASSERT_TRUE(bias_site.has_value());
+  for (int round = 0; round < 3; ++round) {
+    const at::Tensor other = at::randn({256, 128}, cuda_floats());
+    const at::Tensor other_bias = at::randn({128}, cuda_floats());
+    graph.repoint(*site, other.data_ptr());
+    graph.repoint(*bias_site, other_bias.data_ptr());
+    graph.replay();
+    const at::Tensor expected = at::relu(at::addmm(other_bias, other * 2.0, w)) + other.sum(0);
+    EXPECT_TRUE(at::allclose(y, expected, 1e-4, 1e-4)) << "round " << round;
+  }
+  // Back to the captured buffers: they are read again.
+  graph.repoint(*site, x.data_ptr());
+  graph.repoint(*bias_site, bias.data_ptr());
+  graph.replay();
+  EXPECT_TRUE(at::allclose(y, at::relu(at::addmm(bias, x * 2.0, w)) + x.sum(0), 1e-4, 1e-4));
+}
+
 }  // namespace
 }  // namespace graphed

@@ -237,3 +237,25 @@ def test_capture_composes_with_torch_compile():
     fast = graphed.capture(fn, x)
     y = torch.randn(1024, device="cuda")
     torch.testing.assert_close(fast(y), torch.nn.functional.gelu(y * 2) + 1)
+
+
+@pytest.mark.parametrize("mode", ["repoint", "auto"])
+def test_repointed_inputs_compute_on_the_new_tensor(mlp, mode):
+    model, x = mlp
+    with torch.no_grad():
+        fast = graphed.capture(model, x, input_update=mode)
+        tensors = [torch.randn_like(x) for _ in range(3)]
+        for _ in range(2):
+            for tensor in tensors:
+                torch.testing.assert_close(fast(tensor), model(tensor), rtol=1e-5, atol=1e-5)
+        # The same tensor twice in a row: "auto" re-points, "repoint" already has.
+        torch.testing.assert_close(fast(tensors[0]), model(tensors[0]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast(tensors[0]), model(tensors[0]), rtol=1e-5, atol=1e-5)
+        # The static buffer itself still works after re-pointing elsewhere.
+        fast.static_inputs[0].copy_(tensors[1])
+        torch.testing.assert_close(fast(fast.static_inputs[0]), model(tensors[1]),
+                                   rtol=1e-5, atol=1e-5)
+    stats = fast.stats()
+    if stats["repointable_inputs"] == 0:
+        pytest.skip("the driver cannot re-point this graph (Note [Re-pointing a graph])")
+    assert stats["input_repoints"] >= 1

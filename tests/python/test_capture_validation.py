@@ -57,3 +57,8 @@ def test_capture_needs_a_gpu_when_inputs_allow_it():
         pytest.skip("this machine has a GPU; the no-GPU message cannot be provoked")
     with pytest.raises(graphed.GraphedError, match="needs an NVIDIA GPU"):
         graphed.capture(lambda: None)
+
+
+def test_unknown_input_update_lists_the_valid_ones():
+    with pytest.raises(graphed.GraphedError, match='"copy", "repoint" or "auto", got "move"'):
+        graphed.capture(double, torch.ones(2), input_update="move")

@@ -1,0 +1,234 @@
+"""graphed.auto: capture a model's repeated blocks as CUDA graphs, automatically.
+
+The core is ``graphed::GraphManager`` (include/graphed/graph_manager.h); this
+module only finds the submodules, routes their ``forward`` through the manager
+and formats ``stats()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import _C
+
+ModuleChoice = Union[str, type]
+
+_MANAGER_ATTRIBUTE = "_graphed_auto_manager"
+
+
+def auto(
+    model: nn.Module,
+    *,
+    modules: Optional[Union[ModuleChoice, Sequence[ModuleChoice]]] = None,
+    warmup: int = 3,
+    buckets: Optional[Mapping[int, Iterable[int]]] = None,
+    memory_budget: Optional[Union[int, str]] = None,
+    fallback: str = "eager",
+    check: bool = True,
+    capture_error_mode: str = "global",
+    input_update: str = "auto",
+) -> nn.Module:
+    """Graph ``model``'s submodules automatically; returns ``model`` itself.
+
+    The chosen submodules run eagerly for ``warmup`` calls while the order of
+    their calls is recorded; each is then captured on its next call (so in
+    call order, into one shared memory pool) and replayed afterwards. The
+    model keeps its parameters, buffers and ``state_dict``; only the chosen
+    submodules' ``forward`` is routed through graphed.
+
+    Args:
+        model: the model. Its class is swapped for a subclass that adds
+            ``stats()`` (or ``graphed_stats()`` when the model has a
+            ``stats`` of its own).
+        modules: what to capture: ``None`` for the largest repeated blocks
+            (each transformer layer; the whole model if nothing repeats), or
+            names from ``model.named_modules()`` and/or classes (every
+            outermost instance), alone or in a list.
+        warmup: eager calls per module before capture (at least 1).
+        buckets: ``{dim: sizes}``: pad every input tensor's ``dim`` up to the
+            next size, capturing each size (largest first) on the module's
+            first capture; outputs are sliced back. Only for dimensions whose
+            rows are independent (a batch). Without buckets every new
+            signature gets its own graph.
+        memory_budget: limit of the graphs' memory: bytes or a size such as
+            ``"2GiB"``; least recently used graphs are evicted to stay under
+            it. ``None`` for no limit.
+        fallback: ``"eager"`` runs what cannot be graphed eagerly and counts
+            it, with the reason, in ``stats()["fallbacks"]``; ``"raise"``
+            raises ``graphed.GraphedError`` instead.
+        check: run each module's last warm-up call under ``graphed.check``, so
+            that a module with a capture blocker (``.item()``, a sync...)
+            falls back without a failed capture, its reason naming the line.
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
+        input_update: ``"auto"`` re-points a graph at inputs that keep
+            arriving at one address (the previous layer's graph output) or
+            are large, instead of copying them on every call; ``"copy"``
+            always copies; ``"repoint"`` re-points wherever possible (see
+            ``graphed.capture``).
+
+    Outputs of a replay are the graph's buffers, valid until the module's
+    next call (clone them to keep them longer).
+
+    Training calls (grad mode on and an input or parameter requiring grad)
+    currently run eagerly and are counted as fallbacks with the reason
+    "training graphs not available yet".
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"graphed.auto expects a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, _MANAGER_ATTRIBUTE, None) is not None:
+        raise _C.GraphedError(
+            "This model is already managed by graphed.auto; call graphed.auto once per model "
+            "(its stats() shows what it does)."
+        )
+    if not isinstance(warmup, int) or isinstance(warmup, bool):
+        raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
+    infos = _module_infos(model)
+    names = _C.select_repeated_blocks(infos) if modules is None else _resolve(model, modules)
+    _C.validate_module_selection(names, infos)
+    manager = _C.GraphManager(
+        warmup=warmup,
+        buckets=_buckets(buckets),
+        memory_budget=memory_budget,
+        fallback=fallback,
+        check_blockers=bool(check),
+        capture_warmup=1,
+        max_capture_ahead=64,
+        capture_error_mode=capture_error_mode,
+        input_update=input_update,
+    )
+    for name in names:
+        module = model.get_submodule(name)
+        index = manager.add_module(
+            name,
+            type(module).__name__,
+            _eager_forward(module),
+            list(module.buffers()),
+            list(module.parameters()),
+        )
+        module.forward = _managed_forward(manager, index, module)
+    object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
+    model.__class__ = _graphed_class(type(model))
+    return model
+
+
+def stats(model: nn.Module) -> Dict[str, Any]:
+    """What graphed.auto did with ``model``: calls, replays, warm-up calls,
+    captures, evictions, capture time, live graphs and their memory
+    (``graph_memory_bytes``; ``pool_reserved_bytes`` for the shared pool),
+    the recorded call ``order``, per-module counters and every fallback with
+    its reason and count."""
+    manager = getattr(model, _MANAGER_ATTRIBUTE, None)
+    if manager is None:
+        raise _C.GraphedError(
+            "This model is not managed by graphed.auto; wrap it first: model = graphed.auto(model)."
+        )
+    return manager.stats()
+
+
+def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module):
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return manager.call(index, args, kwargs, module.training)
+
+    return forward
+
+
+def _eager_forward(module: nn.Module):
+    """The module's own forward, holding the module weakly: the manager lives
+    in the model, and a strong reference back from C++ would keep both alive
+    (with their graphs and GPU memory) after the user drops the model."""
+    original = module.forward
+    if not (inspect.ismethod(original) and original.__self__ is module):
+        return original  # a forward set on the instance; called as it is
+    function = original.__func__
+    module_ref = weakref.ref(module)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return function(module_ref(), *args, **kwargs)
+
+    return forward
+
+
+def _module_infos(model: nn.Module) -> List[tuple]:
+    infos = []
+    for name, module in model.named_modules():
+        parameters = sum(p.numel() for p in module.parameters())
+        container = isinstance(module, (nn.ModuleList, nn.Sequential))
+        infos.append((name, type(module).__name__, parameters, container))
+    return infos
+
+
+def _resolve(model: nn.Module, modules: Union[ModuleChoice, Sequence[ModuleChoice]]) -> List[str]:
+    if isinstance(modules, (str, type)):
+        choices = [modules]
+    elif isinstance(modules, (list, tuple)):
+        choices = list(modules)
+    else:
+        raise TypeError(
+            "modules must hold submodule names (str) or nn.Module classes, got "
+            f"{type(modules).__name__}"
+        )
+    names: List[str] = []
+    for choice in choices:
+        if isinstance(choice, str):
+            names.append(choice)
+        elif isinstance(choice, type) and issubclass(choice, nn.Module):
+            found = [n for n, m in model.named_modules() if isinstance(m, choice)]
+            if not found:
+                raise _C.GraphedError(
+                    f"Expected the model to contain a {choice.__name__}, but it has none. "
+                    "Pass a class the model uses, or names from model.named_modules()."
+                )
+            # Outermost instances only: a graph of one already records those inside it.
+            outermost = [n for n in found if not any(n != o and n.startswith(o + ".") for o in found)]
+            names.extend(n for n in outermost if n not in names)
+        else:
+            raise TypeError(
+                "modules must hold submodule names (str) or nn.Module classes, got "
+                f"{type(choice).__name__}"
+            )
+    return names
+
+
+def _buckets(buckets: Optional[Mapping[int, Iterable[int]]]) -> Optional[Dict[int, List[int]]]:
+    if buckets is None:
+        return None
+    if not isinstance(buckets, Mapping):
+        raise TypeError(
+            "buckets must be a dict {dim: sizes}, e.g. {0: [1, 2, 4, 8]}, got "
+            f"{type(buckets).__name__}"
+        )
+    out: Dict[int, List[int]] = {}
+    for dim, sizes in buckets.items():
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"bucket dimensions must be ints, got {dim!r}")
+        if isinstance(sizes, int):
+            raise TypeError(
+                f"buckets[{dim}] must be a list of sizes, e.g. [1, 2, 4, 8], got the int {sizes}"
+            )
+        out[dim] = [int(size) for size in sizes]
+    return out
+
+
+_GRAPHED_CLASSES: Dict[type, type] = {}
+
+
+def _graphed_class(cls: type) -> type:
+    """A subclass of ``cls`` adding ``stats()``: the model keeps its type for
+    isinstance checks, its parameters and its state_dict."""
+    if cls in _GRAPHED_CLASSES:
+        return _GRAPHED_CLASSES[cls]
+
+    def graphed_stats(self: nn.Module) -> Dict[str, Any]:
+        return stats(self)
+
+    namespace: Dict[str, Any] = {"graphed_stats": graphed_stats, "__module__": cls.__module__}
+    if not hasattr(cls, "stats"):
+        namespace["stats"] = graphed_stats
+    subclass = type(f"Graphed{cls.__name__}", (cls,), namespace)
+    _GRAPHED_CLASSES[cls] = subclass
+    return subclass

@@ -1,0 +1,156 @@
+// graphed._C: GraphManager (graphed.auto), module selection and memory sizes.
+// Conversion only.
+
+#include "graphed/check.h"
+#include "graphed/graph_manager.h"
+#include "python_values.h"
+#include "registration.h"
+
+namespace graphed::python {
+namespace {
+
+std::optional<int64_t> budget_from_python(const py::object& budget) {
+  if (budget.is_none()) {
+    return std::nullopt;
+  }
+  if (py::isinstance<py::str>(budget)) {
+    return parse_memory_size(budget.cast<std::string>());
+  }
+  GRAPHED_CHECK(py::isinstance<py::int_>(budget) && !py::isinstance<py::bool_>(budget),
+                "Expected memory_budget to be None, a number of bytes or a size such as "
+                "\"2GiB\", got ", py::repr(budget).cast<std::string>(), ".");
+  const int64_t bytes = budget.cast<int64_t>();
+  GRAPHED_CHECK(bytes >= 1, "Expected a memory budget of at least one byte, got ", bytes,
+                ". Pass a positive size such as \"2GiB\", or None for no budget.");
+  return bytes;
+}
+
+std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets,
+                                           const py::object& memory_budget,
+                                           const std::string& fallback, bool check_blockers,
+                                           int capture_warmup, int max_capture_ahead,
+                                           const std::string& capture_error_mode,
+                                           const std::string& input_update) {
+  GraphManagerOptions options;
+  options.warmup = warmup;
+  if (!buckets.is_none()) {
+    options.buckets =
+        BucketPolicy(buckets.cast<std::map<int64_t, std::vector<int64_t>>>());
+  }
+  options.memory_budget_bytes = budget_from_python(memory_budget);
+  options.fallback = parse_fallback_policy(fallback);
+  options.check_blockers = check_blockers;
+  options.capture_warmup_iters = capture_warmup;
+  options.max_capture_ahead = max_capture_ahead;
+  options.error_mode = parse_capture_error_mode(capture_error_mode);
+  options.input_update = parse_input_update(input_update);
+  return std::make_unique<GraphManager>(std::move(options));
+}
+
+std::vector<ModuleInfo> infos_from_python(
+    const std::vector<std::tuple<std::string, std::string, int64_t, bool>>& modules) {
+  std::vector<ModuleInfo> infos;
+  infos.reserve(modules.size());
+  for (const auto& [name, type, parameters, is_container] : modules) {
+    infos.push_back(ModuleInfo{name, type, parameters, is_container});
+  }
+  return infos;
+}
+
+py::dict stats_to_python(const GraphManagerStats& stats) {
+  py::dict out;
+  out["calls"] = stats.calls;
+  out["replays"] = stats.replays;
+  out["warmup_calls"] = stats.warmup_calls;
+  out["captures"] = stats.captures;
+  out["evictions"] = stats.evictions;
+  out["fallback_calls"] = stats.fallback_calls;
+  out["capture_ms"] = stats.capture_ms;
+  out["graphs"] = stats.graphs;
+  out["graph_memory_bytes"] = stats.graph_memory_bytes;
+  out["pool_reserved_bytes"] = stats.pool_reserved_bytes;
+  out["memory_budget_bytes"] =
+      stats.memory_budget_bytes < 0 ? py::object(py::none()) : py::int_(stats.memory_budget_bytes);
+  out["order"] = stats.order;
+  py::dict modules;
+  for (const ModuleStats& module : stats.modules) {
+    py::dict entry;
+    entry["state"] = module.state;
+    entry["calls"] = module.calls;
+    entry["replays"] = module.replays;
+    entry["graphs"] = module.graphs;
+    modules[py::str(module.name)] = entry;
+  }
+  out["modules"] = modules;
+  py::list fallbacks;
+  for (const FallbackStats& fallback : stats.fallbacks) {
+    py::dict entry;
+    entry["module"] = fallback.module;
+    entry["reason"] = fallback.reason;
+    entry["count"] = fallback.count;
+    fallbacks.append(entry);
+  }
+  out["fallbacks"] = fallbacks;
+  return out;
+}
+
+}  // namespace
+
+void register_auto(py::module_& m) {
+  m.def("parse_memory_size", &parse_memory_size, py::arg("text"),
+        "Bytes in a size such as \"512MB\" or \"2GiB\".");
+  m.def(
+      "select_repeated_blocks",
+      [](const std::vector<std::tuple<std::string, std::string, int64_t, bool>>& modules) {
+        return select_repeated_blocks(infos_from_python(modules));
+      },
+      py::arg("modules"),
+      "Names of the largest repeated blocks among (name, type, parameters, is_container).");
+  m.def(
+      "validate_module_selection",
+      [](const std::vector<std::string>& chosen,
+         const std::vector<std::tuple<std::string, std::string, int64_t, bool>>& modules) {
+        validate_module_selection(chosen, infos_from_python(modules));
+      },
+      py::arg("chosen"), py::arg("modules"),
+      "Raise when a chosen name is unknown, repeated, or contains another chosen module.");
+
+  py::class_<GraphManager>(m, "GraphManager",
+                           "Automatic per-module capture (graphed.auto's core).")
+      .def(py::init(&make_manager), py::arg("warmup"), py::arg("buckets"),
+           py::arg("memory_budget"), py::arg("fallback"), py::arg("check_blockers"),
+           py::arg("capture_warmup"), py::arg("max_capture_ahead"),
+           py::arg("capture_error_mode"), py::arg("input_update"))
+      .def(
+          "add_module",
+          [](GraphManager& self, std::string name, std::string type, py::object forward,
+             std::vector<at::Tensor> state, std::vector<at::Tensor> parameters) {
+            ModuleSpec spec;
+            spec.name = std::move(name);
+            spec.type = std::move(type);
+            spec.forward = wrap_call(std::move(forward));
+            spec.state = std::move(state);
+            spec.parameters = std::move(parameters);
+            return self.add_module(std::move(spec));
+          },
+          py::arg("name"), py::arg("type"), py::arg("forward"), py::arg("state"),
+          py::arg("parameters"))
+      .def(
+          "call",
+          [](GraphManager& self, size_t index, const py::tuple& args, const py::dict& kwargs,
+             bool training) {
+            const std::vector<c10::IValue> inputs{to_ivalue(args), to_ivalue(kwargs),
+                                                  c10::IValue(training)};
+            c10::IValue outputs;
+            {
+              py::gil_scoped_release no_gil;
+              outputs = self.call(index, inputs);
+            }
+            return to_python(outputs);
+          },
+          py::arg("index"), py::arg("args"), py::arg("kwargs"), py::arg("training"))
+      .def("stats", [](const GraphManager& self) { return stats_to_python(self.stats()); })
+      .def("clear", &GraphManager::clear, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace graphed::python

@@ -1,0 +1,907 @@
+#include "graphed/graph_manager.h"
+
+#include "graphed/check.h"
+#include "graphed/safety_check.h"
+#include "graphed/state_snapshot.h"
+#include "graphed/static_io.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <iomanip>
+#include <sstream>
+
+namespace graphed {
+
+// Note [Training entries]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A call in grad mode whose inputs or parameters require grad needs outputs
+// with autograd history: a forward graph and a backward graph joined by an
+// autograd function (as make_graphed_callables builds them). GraphManager
+// treats such an entry like any other GraphEntry -- keyed by signature and
+// mode, replayed through run(), evicted by the budget -- and asks
+// GraphEntryFactories::training to capture it. That factory is the single
+// integration point of the training path: while it is unset, training calls
+// run eagerly and are counted as fallbacks with the reason
+// kTrainingGraphsUnavailable (see GraphManager::call_locked), never silently.
+
+namespace {
+
+double elapsed_ms(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
+      .count();
+}
+
+std::string lower(std::string_view text) {
+  std::string out(text);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+std::string trim(std::string_view text) {
+  size_t begin = 0;
+  size_t end = text.size();
+  while (begin < end && std::isspace(static_cast<unsigned char>(text[begin]))) ++begin;
+  while (end > begin && std::isspace(static_cast<unsigned char>(text[end - 1]))) --end;
+  return std::string(text.substr(begin, end - begin));
+}
+
+// True when `inner` is `outer` or lies inside it ("blocks.0.mlp" in "blocks.0").
+bool is_within(const std::string& inner, const std::string& outer) {
+  if (outer.empty()) return true;
+  return inner == outer ||
+         (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+          inner[outer.size()] == '.');
+}
+
+std::string parent_of(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  return dot == std::string::npos ? std::string() : name.substr(0, dot);
+}
+
+std::string shown(const std::string& name) { return name.empty() ? "<root>" : name; }
+
+// What identifies the graph a call needs: the structure, tensor properties at
+// bucket sizes and constants of its inputs, and its mode. Built on every call,
+// so it is flat: codes for everything but constants, compared as vectors.
+struct CallKey {
+  std::vector<int64_t> codes;
+  std::vector<c10::IValue> constants;
+
+  bool operator==(const CallKey& other) const {
+    if (codes != other.codes || constants.size() != other.constants.size()) {
+      return false;
+    }
+    for (size_t i = 0; i < constants.size(); ++i) {
+      if (!constants_equal(constants[i], other.constants[i])) return false;
+    }
+    return true;
+  }
+};
+
+enum KeyCode : int64_t { kTensorCode = -1, kTupleCode = -2, kListCode = -3, kDictCode = -4,
+                         kConstantCode = -5, kUndefinedCode = -6 };
+
+void encode(const c10::IValue& value, const BucketPlan& plan, CallKey& key) {
+  if (value.isTensor()) {
+    const at::Tensor& tensor = value.toTensor();
+    if (!tensor.defined()) {
+      key.codes.push_back(kUndefinedCode);
+      return;
+    }
+    key.codes.push_back(kTensorCode);
+    key.codes.push_back(static_cast<int64_t>(tensor.scalar_type()));
+    key.codes.push_back(static_cast<int64_t>(tensor.device().type()));
+    key.codes.push_back(tensor.device().index());
+    key.codes.push_back(tensor.requires_grad() ? 1 : 0);
+    key.codes.push_back(tensor.dim());
+    const c10::IntArrayRef sizes = tensor.sizes();
+    const size_t first = key.codes.size();
+    key.codes.insert(key.codes.end(), sizes.begin(), sizes.end());
+    for (const BucketedDim& d : plan.dims()) {
+      if (d.dim < tensor.dim()) {
+        key.codes[first + d.dim] = d.padded;
+      }
+    }
+  } else if (value.isTuple()) {
+    const auto& elements = value.toTupleRef().elements();
+    key.codes.push_back(kTupleCode);
+    key.codes.push_back(static_cast<int64_t>(elements.size()));
+    for (const c10::IValue& element : elements) encode(element, plan, key);
+  } else if (value.isList()) {
+    const auto list = value.toListRef();
+    key.codes.push_back(kListCode);
+    key.codes.push_back(static_cast<int64_t>(list.size()));
+    for (const c10::IValue& element : list) encode(element, plan, key);
+  } else if (value.isGenericDict()) {
+    const auto dict = value.toGenericDict();
+    key.codes.push_back(kDictCode);
+    key.codes.push_back(static_cast<int64_t>(dict.size()));
+    for (const auto& entry : dict) {
+      key.constants.push_back(entry.key());
+      encode(entry.value(), plan, key);
+    }
+  } else {
+    key.codes.push_back(kConstantCode);
+    key.constants.push_back(value);
+  }
+}
+
+CallKey key_of(const std::vector<c10::IValue>& inputs, const BucketPlan& plan, CallMode mode) {
+  CallKey key;
+  key.codes.push_back(static_cast<int64_t>(mode));
+  for (const c10::IValue& input : inputs) encode(input, plan, key);
+  return key;
+}
+
+// The tensors of the inputs with their paths, for bucket planning.
+void collect(const c10::IValue& value, const std::string& path, std::vector<at::Tensor>& tensors,
+             std::vector<std::string>& paths) {
+  if (value.isTensor()) {
+    if (value.toTensor().defined()) {
+      tensors.push_back(value.toTensor());
+      paths.push_back(path);
+    }
+  } else if (value.isTuple()) {
+    const auto& elements = value.toTupleRef().elements();
+    for (size_t i = 0; i < elements.size(); ++i) {
+      collect(elements[i], c10::str(path, "[", i, "]"), tensors, paths);
+    }
+  } else if (value.isList()) {
+    const auto list = value.toListRef();
+    for (size_t i = 0; i < list.size(); ++i) {
+      collect(list[i], c10::str(path, "[", i, "]"), tensors, paths);
+    }
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      std::ostringstream key;
+      if (entry.key().isString()) {
+        key << "'" << entry.key().toStringRef() << "'";
+      } else {
+        key << entry.key();
+      }
+      collect(entry.value(), c10::str(path, "[", key.str(), "]"), tensors, paths);
+    }
+  }
+}
+
+int64_t tensor_bytes(const std::vector<at::Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const at::Tensor& tensor : tensors) {
+    if (tensor.defined()) bytes += static_cast<int64_t>(tensor.nbytes());
+  }
+  return bytes;
+}
+
+std::string describe_finding(const SafetyFinding& finding) {
+  std::ostringstream out;
+  out << "graphed.check found a " << finding.info().label << ", `" << finding.op << "`";
+  if (!finding.inside.empty()) out << " inside " << finding.inside;
+  const std::string where = finding.where();
+  if (!where.empty()) out << " at " << where;
+  out << ": " << finding.info().why << " Fix: " << finding.info().fix;
+  return out.str();
+}
+
+std::string first_line(const std::string& text) {
+  const size_t end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
+// An entry captured with graphed::capture; see make_inference_entry.
+class InferenceEntry final : public GraphEntry {
+ public:
+  InferenceEntry(CapturedFunction function, int64_t bytes, double capture_ms)
+      : function_(std::move(function)), bytes_(bytes), capture_ms_(capture_ms) {}
+
+  c10::IValue run(const std::vector<c10::IValue>& inputs, const BucketPlan& plan) override {
+    if (!plan.pads()) {
+      return function_(inputs);
+    }
+    // Write each short input into the front of its static buffer and pass the
+    // buffer itself, so that the captured function copies nothing more.
+    const std::vector<at::Tensor>& buffers = function_.static_inputs();
+    std::vector<at::Tensor> originals;
+    std::vector<c10::IValue> padded;
+    padded.reserve(inputs.size());
+    {
+      c10::NoGradGuard no_grad;
+      for (const c10::IValue& input : inputs) {
+        padded.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
+          const at::Tensor& buffer = buffers.at(originals.size());
+          originals.push_back(tensor);
+          if (tensor.sizes().equals(buffer.sizes())) {
+            return tensor;
+          }
+          front_of(buffer, tensor.sizes()).copy_(tensor, /*non_blocking=*/true);
+          return buffer;
+        }));
+      }
+    }
+    c10::IValue outputs = function_(padded);
+    if (!function_.mutated_inputs().empty()) {
+      c10::NoGradGuard no_grad;
+      for (size_t index : function_.mutated_inputs()) {
+        const at::Tensor& original = originals[index];
+        if (!original.sizes().equals(buffers[index].sizes())) {
+          original.copy_(front_of(buffers[index], original.sizes()), /*non_blocking=*/true);
+        }
+      }
+    }
+    return slice_to_call(outputs, plan);
+  }
+
+  int64_t memory_bytes() const override { return bytes_; }
+  const Signature& signature() const override { return function_.signature(); }
+  int64_t pool_reserved_bytes() const override {
+    return function_.graph().stats().pool_reserved_bytes;
+  }
+  double capture_ms() const override { return capture_ms_; }
+
+ private:
+  static at::Tensor front_of(const at::Tensor& buffer, c10::IntArrayRef sizes) {
+    at::Tensor view = buffer;
+    for (int64_t dim = 0; dim < view.dim(); ++dim) {
+      if (view.size(dim) != sizes[dim]) view = view.narrow(dim, 0, sizes[dim]);
+    }
+    return view;
+  }
+
+  CapturedFunction function_;
+  int64_t bytes_;
+  double capture_ms_;
+};
+
+}  // namespace
+
+int64_t parse_memory_size(std::string_view text) {
+  const std::string cleaned = trim(text);
+  size_t split = 0;
+  while (split < cleaned.size() &&
+         (std::isdigit(static_cast<unsigned char>(cleaned[split])) || cleaned[split] == '.')) {
+    ++split;
+  }
+  const std::string number = cleaned.substr(0, split);
+  const std::string unit = lower(trim(cleaned.substr(split)));
+  static const std::vector<std::pair<std::string, double>> kUnits = {
+      {"", 1.0},      {"b", 1.0},       {"kb", 1e3},          {"mb", 1e6},
+      {"gb", 1e9},    {"tb", 1e12},     {"kib", 1024.0},      {"mib", 1048576.0},
+      {"gib", 1073741824.0},            {"tib", 1099511627776.0}};
+  double scale = -1.0;
+  for (const auto& [name, factor] : kUnits) {
+    if (unit == name) scale = factor;
+  }
+  bool valid_number = !number.empty() && std::count(number.begin(), number.end(), '.') <= 1 &&
+                      number != ".";
+  GRAPHED_CHECK(valid_number && scale > 0, "Expected a memory size such as \"512MB\", \"2GiB\" "
+                "or a number of bytes, got \"", text, "\". Units: B, KB, MB, GB, TB (powers of "
+                "1000) and KiB, MiB, GiB, TiB (powers of 1024).");
+  const double bytes = std::stod(number) * scale;
+  GRAPHED_CHECK(bytes >= 1.0 && bytes < 9.2e18, "Expected a memory size of at least one byte, "
+                "got \"", text, "\". Pass a positive size such as \"2GiB\", or None for no budget.");
+  return static_cast<int64_t>(std::llround(bytes));
+}
+
+std::string format_bytes(int64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  size_t unit = 0;
+  while (std::abs(value) >= 1024.0 && unit + 1 < sizeof(kUnits) / sizeof(kUnits[0])) {
+    value /= 1024.0;
+    ++unit;
+  }
+  std::ostringstream out;
+  if (unit == 0) {
+    out << bytes << " B";
+  } else {
+    out << std::fixed << std::setprecision(1) << value << " " << kUnits[unit];
+  }
+  return out.str();
+}
+
+LruBudget::LruBudget(std::optional<int64_t> budget_bytes) : budget_(budget_bytes) {
+  GRAPHED_CHECK(!budget_ || *budget_ >= 1, "Expected a memory budget of at least one byte, got ",
+                budget_ ? *budget_ : 0, ". Pass a positive size such as \"2GiB\", or None for "
+                "no budget.");
+}
+
+void LruBudget::add(uint64_t id, int64_t bytes) {
+  GRAPHED_INTERNAL_ASSERT(items_.count(id) == 0, "item ", id, " added twice");
+  lru_.emplace_back(id, bytes);
+  items_[id] = std::prev(lru_.end());
+  total_ += bytes;
+}
+
+void LruBudget::touch(uint64_t id) {
+  const auto found = items_.find(id);
+  GRAPHED_INTERNAL_ASSERT(found != items_.end(), "touch of unknown item ", id);
+  lru_.splice(lru_.end(), lru_, found->second);
+}
+
+void LruBudget::remove(uint64_t id) {
+  const auto found = items_.find(id);
+  if (found == items_.end()) return;
+  total_ -= found->second->second;
+  lru_.erase(found->second);
+  items_.erase(found);
+}
+
+std::vector<uint64_t> LruBudget::over_budget(std::optional<uint64_t> keep) const {
+  std::vector<uint64_t> evict;
+  if (!budget_) return evict;
+  int64_t total = total_;
+  for (const auto& [id, bytes] : lru_) {
+    if (total <= *budget_) break;
+    if (keep && id == *keep) continue;
+    evict.push_back(id);
+    total -= bytes;
+  }
+  return evict;
+}
+
+std::vector<uint64_t> LruBudget::order() const {
+  std::vector<uint64_t> ids;
+  for (const auto& item : lru_) ids.push_back(item.first);
+  return ids;
+}
+
+std::vector<std::string> select_repeated_blocks(const std::vector<ModuleInfo>& modules) {
+  struct Group {
+    std::vector<std::string> names;
+    int64_t parameters = 0;
+    size_t first_index = 0;
+  };
+  std::unordered_map<std::string, size_t> index_of;
+  for (size_t i = 0; i < modules.size(); ++i) index_of[modules[i].name] = i;
+
+  // Children of each container, grouped by class.
+  std::vector<Group> groups;
+  std::unordered_map<std::string, size_t> group_of;  // "container\0type" -> group
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const ModuleInfo& module = modules[i];
+    if (module.name.empty()) continue;
+    const auto parent = index_of.find(parent_of(module.name));
+    if (parent == index_of.end() || !modules[parent->second].is_container) continue;
+    const std::string group_key = parent_of(module.name) + '\0' + module.type;
+    auto [found, inserted] = group_of.emplace(group_key, groups.size());
+    if (inserted) {
+      groups.push_back(Group{{}, 0, i});
+    }
+    Group& group = groups[found->second];
+    group.names.push_back(module.name);
+    group.parameters += module.parameters;
+  }
+  groups.erase(std::remove_if(groups.begin(), groups.end(),
+                              [](const Group& g) { return g.names.size() < 2; }),
+               groups.end());
+  std::stable_sort(groups.begin(), groups.end(), [](const Group& a, const Group& b) {
+    return a.parameters > b.parameters;
+  });
+  std::vector<std::string> chosen;
+  std::vector<size_t> chosen_groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    bool overlaps = false;
+    for (const std::string& name : groups[g].names) {
+      for (const std::string& taken : chosen) {
+        overlaps = overlaps || is_within(name, taken) || is_within(taken, name);
+      }
+    }
+    if (overlaps) continue;
+    chosen.insert(chosen.end(), groups[g].names.begin(), groups[g].names.end());
+    chosen_groups.push_back(g);
+  }
+  if (chosen.empty()) {
+    return {std::string()};
+  }
+  // Back to the model's order, so that stats list modules as the model does.
+  std::sort(chosen.begin(), chosen.end(), [&](const std::string& a, const std::string& b) {
+    return index_of[a] < index_of[b];
+  });
+  return chosen;
+}
+
+void validate_module_selection(const std::vector<std::string>& chosen,
+                               const std::vector<ModuleInfo>& modules) {
+  GRAPHED_CHECK(!chosen.empty(), "Expected at least one module to capture, got none. Pass "
+                "modules=None to capture the largest repeated blocks, or name the modules "
+                "(e.g. modules=[\"blocks.0\"] or modules=[MyBlock]).");
+  std::unordered_map<std::string, bool> known;
+  for (const ModuleInfo& module : modules) known[module.name] = true;
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    if (known.count(chosen[i]) == 0) {
+      std::ostringstream names;
+      size_t listed = 0;
+      for (const ModuleInfo& module : modules) {
+        if (listed == 12) {
+          names << ", ...";
+          break;
+        }
+        names << (listed == 0 ? "" : ", ") << "'" << module.name << "'";
+        ++listed;
+      }
+      GRAPHED_THROW(Error, "Expected the name of a submodule of the model, got '", chosen[i],
+                    "'. Names are those of model.named_modules(): ", names.str(), ".");
+    }
+    for (size_t j = 0; j < chosen.size(); ++j) {
+      if (i == j) continue;
+      GRAPHED_CHECK(chosen[i] != chosen[j], "Module '", shown(chosen[i]),
+                    "' is chosen twice; list each module once.");
+      GRAPHED_CHECK(!is_within(chosen[j], chosen[i]), "Module '", shown(chosen[i]),
+                    "' contains module '", shown(chosen[j]), "', and both are chosen. A graph "
+                    "of the outer module already records the inner one; choose one of them.");
+    }
+  }
+}
+
+std::string_view call_mode_name(CallMode mode) {
+  return mode == CallMode::kTraining ? "training" : "inference";
+}
+
+FallbackPolicy parse_fallback_policy(std::string_view name) {
+  if (name == "eager") return FallbackPolicy::kEager;
+  if (name == "raise") return FallbackPolicy::kRaise;
+  GRAPHED_THROW(Error, "Expected fallback to be \"eager\" (run what cannot be graphed eagerly "
+                "and count it in stats()) or \"raise\", got \"", name, "\".");
+}
+
+std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& request) {
+  GRAPHED_INTERNAL_ASSERT(request.module != nullptr, "request without a module");
+  CaptureOptions options;
+  options.warmup_iters = request.warmup_iters;
+  options.pool = request.pool();
+  options.error_mode = request.error_mode;
+  options.input_names = request.input_names;
+  options.state = request.module->state;
+  options.description = request.description;
+  options.input_update = request.input_update;
+  std::optional<c10::Device> device;
+  for (const c10::IValue& input : request.sample) {
+    for_each_tensor(input, [&](const at::Tensor& tensor) {
+      if (!device && tensor.defined() && tensor.is_cuda()) device = tensor.device();
+    });
+  }
+  const c10::DeviceIndex index = device ? device->index() : c10::cuda::current_device();
+  const PoolMemory before = pool_memory(*options.pool, index);
+  const auto started = std::chrono::steady_clock::now();
+  CapturedFunction function = capture(request.module->forward, request.sample, options);
+  const double ms = elapsed_ms(started);
+  const PoolMemory after = pool_memory(*options.pool, index);
+  const int64_t outputs = tensor_bytes(flatten_tensors(function.static_outputs()));
+  const int64_t bytes = tensor_bytes(function.static_inputs()) +
+                        std::max(outputs, after.reserved_bytes - before.reserved_bytes);
+  return std::make_unique<InferenceEntry>(std::move(function), bytes, ms);
+}
+
+struct GraphManager::Slot {
+  uint64_t id = 0;
+  CallKey key;
+  BucketPlan plan;  // at bucket sizes
+  std::unique_ptr<GraphEntry> entry;
+  // Set instead of `entry` when these inputs cannot be captured (not the
+  // module: e.g. CPU tensors); calls with this key fall back at once.
+  std::string failure;
+  int64_t replays = 0;
+};
+
+struct GraphManager::Module {
+  ModuleSpec spec;
+  size_t index = 0;
+  int64_t calls = 0;
+  int64_t warmup_calls = 0;
+  int64_t replays = 0;
+  bool seen = false;
+  // Set once the module falls back for good (a blocker or a capture error).
+  std::optional<std::string> blocked;
+  std::vector<std::unique_ptr<Slot>> slots;  // most recently used first
+  std::string description;
+};
+
+GraphManager::GraphManager(GraphManagerOptions options, GraphEntryFactories factories)
+    : options_(std::move(options)), factories_(std::move(factories)),
+      lru_(options_.memory_budget_bytes) {
+  GRAPHED_CHECK(options_.warmup >= 1, "Expected warmup >= 1, got ", options_.warmup,
+                ". Warm-up calls run eagerly to initialise lazy state and record the call "
+                "order before anything is captured; use at least 1.");
+  GRAPHED_CHECK(options_.capture_warmup_iters >= 1, "Expected capture_warmup_iters >= 1, got ",
+                options_.capture_warmup_iters, ". Each capture needs one eager run on the "
+                "capture stream first.");
+  GRAPHED_CHECK(options_.max_capture_ahead >= 0, "Expected max_capture_ahead >= 0, got ",
+                options_.max_capture_ahead, ".");
+  if (!factories_.inference) {
+    factories_.inference = &make_inference_entry;
+  }
+  counters_.memory_budget_bytes = options_.memory_budget_bytes.value_or(-1);
+}
+
+GraphManager::~GraphManager() = default;
+
+size_t GraphManager::add_module(ModuleSpec spec) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  GRAPHED_CHECK(static_cast<bool>(spec.forward), "Module '", shown(spec.name),
+                "' has no forward function.");
+  for (const auto& module : modules_) {
+    GRAPHED_CHECK(module->spec.name != spec.name, "Module '", shown(spec.name),
+                  "' is registered twice; register each module once.");
+  }
+  auto module = std::make_unique<Module>();
+  module->index = modules_.size();
+  module->description = c10::str("module `", shown(spec.name), "` (", spec.type, ")");
+  module->spec = std::move(spec);
+  modules_.push_back(std::move(module));
+  return modules_.size() - 1;
+}
+
+std::vector<std::string> GraphManager::input_names(size_t count) const {
+  // Python passes (args, kwargs, module.training); see python/graphed/auto.py.
+  if (count == 3) return {"args", "kwargs", "module.training"};
+  std::vector<std::string> names;
+  for (size_t i = 0; i < count; ++i) names.push_back(c10::str("inputs[", i, "]"));
+  return names;
+}
+
+PoolId GraphManager::shared_pool() {
+  if (!pool_) pool_ = new_pool();
+  return *pool_;
+}
+
+c10::IValue GraphManager::run_eager(Module& module, const std::vector<c10::IValue>& inputs) {
+  ++depth_;
+  try {
+    c10::IValue out = module.spec.forward(inputs);
+    --depth_;
+    return out;
+  } catch (...) {
+    --depth_;
+    throw;
+  }
+}
+
+c10::IValue GraphManager::fall_back(Module& module, const std::string& reason,
+                                    const std::vector<c10::IValue>& inputs) {
+  if (options_.fallback == FallbackPolicy::kRaise) {
+    GRAPHED_THROW(Error, module.description, " cannot run as a graph: ", reason,
+                  "\n(fallback=\"raise\"; pass fallback=\"eager\" to run it eagerly and count "
+                  "the fallback in stats() instead.)");
+  }
+  const std::string key = module.spec.name + '\0' + reason;
+  auto [found, inserted] = fallback_index_.emplace(key, counters_.fallbacks.size());
+  if (inserted) {
+    counters_.fallbacks.push_back(FallbackStats{module.spec.name, reason, 0});
+  }
+  ++counters_.fallbacks[found->second].count;
+  ++counters_.fallback_calls;
+  return run_eager(module, inputs);
+}
+
+c10::IValue GraphManager::run_warmup(Module& module, const std::vector<c10::IValue>& inputs,
+                                     bool last) {
+  ++counters_.warmup_calls;
+  if (!last || !options_.check_blockers) {
+    return run_eager(module, inputs);
+  }
+  // The last warm-up call runs under the safety check. The check restores the
+  // random generators it found; this call is a real one, so the generators
+  // are put back where the eager call left them.
+  std::optional<c10::Device> device;
+  if (c10::cuda::device_count() > 0) {
+    device = c10::Device(c10::kCUDA, c10::cuda::current_device());
+  }
+  c10::IValue output;
+  bool ran = false;
+  StateSnapshot after;
+  SafetyReport report;
+  SafetyCheckOptions check_options;
+  check_options.description = module.description;
+  ++depth_;
+  try {
+    report = check_safety(
+        [&] {
+          ran = true;
+          output = module.spec.forward(inputs);
+          after = StateSnapshot::take({}, device);
+        },
+        check_options);
+    --depth_;
+  } catch (const Error&) {
+    --depth_;
+    if (ran) throw;
+    // Another check is running (the user checks the managed model): this
+    // call is part of it, so run it plainly.
+    return run_eager(module, inputs);
+  } catch (...) {
+    --depth_;
+    throw;
+  }
+  after.restore();
+  if (!report.empty()) {
+    const std::string reason = describe_finding(report.findings().front());
+    module.blocked = reason;
+    if (options_.fallback == FallbackPolicy::kRaise) {
+      GRAPHED_THROW(Error, module.description, " cannot be captured: ", reason,
+                    "\n(fallback=\"raise\"; pass fallback=\"eager\" to run it eagerly while the "
+                    "other modules stay graphed.)");
+    }
+    const std::string key = module.spec.name + '\0' + reason;
+    if (fallback_index_.emplace(key, counters_.fallbacks.size()).second) {
+      counters_.fallbacks.push_back(FallbackStats{module.spec.name, reason, 0});
+    }
+  }
+  return output;
+}
+
+GraphManager::Slot* GraphManager::find_slot(Module& module, CallMode mode, const BucketPlan& plan,
+                                            const std::vector<c10::IValue>& inputs) {
+  if (module.slots.empty()) return nullptr;
+  const CallKey key = key_of(inputs, plan, mode);
+  for (size_t i = 0; i < module.slots.size(); ++i) {
+    if (module.slots[i]->key == key) {
+      if (i != 0) {
+        // Most recently used first: a loop over a few sizes finds its slot early.
+        std::rotate(module.slots.begin(), module.slots.begin() + i,
+                    module.slots.begin() + i + 1);
+      }
+      return module.slots.front().get();
+    }
+  }
+  return nullptr;
+}
+
+void GraphManager::evict(uint64_t id) {
+  const auto found = slots_by_id_.find(id);
+  GRAPHED_INTERNAL_ASSERT(found != slots_by_id_.end(), "eviction of unknown graph ", id);
+  lru_.remove(id);
+  for (auto& module : modules_) {
+    auto& slots = module->slots;
+    const auto it = std::find_if(slots.begin(), slots.end(),
+                                 [&](const std::unique_ptr<Slot>& s) { return s->id == id; });
+    if (it != slots.end()) {
+      slots.erase(it);
+      break;
+    }
+  }
+  slots_by_id_.erase(found);
+}
+
+void GraphManager::enforce_budget(const Slot& keep) {
+  for (uint64_t id : lru_.over_budget(keep.id)) {
+    evict(id);
+    ++counters_.evictions;
+  }
+}
+
+GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
+                                               const BucketPlan& plan,
+                                               const std::vector<c10::IValue>& inputs) {
+  const GraphEntryFactory& factory =
+      mode == CallMode::kTraining ? factories_.training : factories_.inference;
+  GRAPHED_INTERNAL_ASSERT(static_cast<bool>(factory), "no factory for ", call_mode_name(mode));
+
+  // Which bucket combinations to capture now: the call's, or on a module's
+  // first capture every combination, largest first, so that the smaller
+  // graphs reuse the pool memory of the largest (Note [Bucket padding]).
+  std::vector<BucketPlan> targets;
+  const bool first_capture = module.slots.empty();
+  if (first_capture && !plan.dims().empty() && options_.max_capture_ahead > 0) {
+    targets = options_.buckets.combinations_largest_first(plan);
+    if (targets.size() > static_cast<size_t>(options_.max_capture_ahead)) targets.clear();
+  }
+  const BucketPlan wanted = plan.at_buckets();
+  if (targets.empty()) targets.push_back(wanted);
+
+  Slot* result = nullptr;
+  for (const BucketPlan& target : targets) {
+    // `key_plan` keys the call's inputs as if they came at `target`'s sizes.
+    std::vector<BucketedDim> key_dims = plan.dims();
+    for (size_t i = 0; i < key_dims.size(); ++i) key_dims[i].padded = target.dims()[i].padded;
+    const BucketPlan key_plan(std::move(key_dims));
+    const bool is_wanted = target.dims() == wanted.dims();
+
+    auto slot = std::make_unique<Slot>();
+    slot->id = next_slot_id_++;
+    slot->key = key_of(inputs, key_plan, mode);
+    slot->plan = target;
+
+    GraphEntryRequest request;
+    request.module = &module.spec;
+    for (const c10::IValue& input : inputs) {
+      request.sample.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
+        return resize_to_buckets(tensor, key_plan);
+      }));
+    }
+    request.plan = target;
+    request.input_names = input_names(inputs.size());
+    request.pool = [this] { return shared_pool(); };
+    request.warmup_iters = options_.capture_warmup_iters;
+    request.error_mode = options_.error_mode;
+    request.input_update = options_.input_update;
+    request.description = target.dims().empty()
+                              ? module.description
+                              : c10::str(module.description, " at ", target.describe());
+    try {
+      ++depth_;
+      slot->entry = factory(request);
+      --depth_;
+    } catch (const CaptureError&) {
+      --depth_;
+      throw;  // The module cannot be captured: call_locked blocks it.
+    } catch (const Error& error) {
+      --depth_;
+      if (!is_wanted) continue;  // Capture-ahead is best effort.
+      slot->failure = first_line(error.what_without_backtrace());
+    } catch (...) {
+      --depth_;
+      throw;
+    }
+    if (slot->entry) {
+      ++counters_.captures;
+      counters_.capture_ms += slot->entry->capture_ms();
+      const int64_t bytes = slot->entry->memory_bytes();
+      if (lru_.budget() && bytes > *lru_.budget()) {
+        GRAPHED_THROW(Error, "memory_budget=", format_bytes(*lru_.budget()), " is smaller than "
+                      "one graph: ", request.description, " holds ", format_bytes(bytes),
+                      ". Raise memory_budget to at least ", format_bytes(bytes),
+                      " (a few graphs' worth, so that they need not be captured again), or "
+                      "pass memory_budget=None for no limit.");
+      }
+      lru_.add(slot->id, bytes);
+    }
+    Slot* raw = slot.get();
+    slots_by_id_[slot->id] = raw;
+    if (is_wanted) {
+      module.slots.insert(module.slots.begin(), std::move(slot));
+      result = raw;
+    } else {
+      module.slots.push_back(std::move(slot));
+      if (raw->entry && !lru_.over_budget(raw->id).empty()) {
+        // No room for graphs captured ahead: capture the rest on demand.
+        if (result == nullptr) {
+          evict(raw->id);
+          continue;
+        }
+        evict(raw->id);
+        break;
+      }
+    }
+  }
+  GRAPHED_INTERNAL_ASSERT(result != nullptr, "the wanted bucket was not captured");
+  if (result->entry) {
+    lru_.touch(result->id);
+    enforce_budget(*result);
+  }
+  return *result;
+}
+
+c10::IValue GraphManager::call(size_t index, const std::vector<c10::IValue>& inputs) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  GRAPHED_CHECK(index < modules_.size(), "Expected a module index below ", modules_.size(),
+                ", got ", index, ".");
+  Module& module = *modules_[index];
+  if (depth_ > 0) {
+    return module.spec.forward(inputs);  // Part of another managed module's call.
+  }
+  return call_locked(module, inputs);
+}
+
+c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IValue>& inputs) {
+  ++counters_.calls;
+  ++module.calls;
+  if (!module.seen) {
+    module.seen = true;
+    counters_.order.push_back(module.spec.name);
+  }
+  if (module.blocked) {
+    return fall_back(module, *module.blocked, inputs);
+  }
+  if (module.warmup_calls < options_.warmup) {
+    ++module.warmup_calls;
+    return run_warmup(module, inputs, module.warmup_calls == options_.warmup);
+  }
+
+  std::vector<at::Tensor> tensors;
+  std::vector<std::string> paths;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    collect(inputs[i], i < 2 ? (i == 0 ? "args" : "kwargs") : c10::str("inputs[", i, "]"),
+            tensors, paths);
+  }
+  CallMode mode = CallMode::kInference;
+  if (c10::GradMode::is_enabled()) {
+    const auto requires_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+    if (std::any_of(tensors.begin(), tensors.end(), requires_grad) ||
+        std::any_of(module.spec.parameters.begin(), module.spec.parameters.end(),
+                    requires_grad)) {
+      mode = CallMode::kTraining;
+    }
+  }
+  if (mode == CallMode::kTraining && !factories_.training) {
+    // INTEGRATION POINT, see Note [Training entries]: until the training
+    // factory (forward and backward graphs) is plugged in, training calls run
+    // eagerly and are counted, so stats() shows that nothing is graphed.
+    return fall_back(module, std::string(kTrainingGraphsUnavailable), inputs);
+  }
+
+  BucketPlan plan;
+  if (!options_.buckets.empty()) {
+    std::vector<c10::IntArrayRef> sizes;
+    sizes.reserve(tensors.size());
+    for (const at::Tensor& tensor : tensors) sizes.push_back(tensor.sizes());
+    std::string why;
+    std::optional<BucketPlan> planned = options_.buckets.plan(sizes, paths, &why);
+    if (!planned) {
+      return fall_back(module, why, inputs);
+    }
+    plan = std::move(*planned);
+  }
+
+  Slot* slot = find_slot(module, mode, plan, inputs);
+  if (slot == nullptr) {
+    try {
+      slot = &capture_slot(module, mode, plan, inputs);
+    } catch (const CaptureError& error) {
+      const std::string reason =
+          c10::str("capture failed: ", error.what_without_backtrace());
+      module.blocked = reason;
+      // Graphs of other signatures of this module were captured fine but
+      // would replay next to eager calls of the same module; drop them so the
+      // module behaves one way.
+      while (!module.slots.empty()) evict(module.slots.front()->id);
+      if (options_.fallback == FallbackPolicy::kRaise) throw;
+      return fall_back(module, reason, inputs);
+    }
+  } else if (slot->entry) {
+    lru_.touch(slot->id);
+  }
+  if (!slot->entry) {
+    return fall_back(module, slot->failure, inputs);
+  }
+  ++counters_.replays;
+  ++module.replays;
+  ++slot->replays;
+  ++depth_;
+  try {
+    c10::IValue out = slot->entry->run(inputs, plan);
+    --depth_;
+    return out;
+  } catch (...) {
+    --depth_;
+    throw;
+  }
+}
+
+GraphManagerStats GraphManager::stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  GraphManagerStats out = counters_;
+  out.graphs = static_cast<int64_t>(lru_.size());
+  out.graph_memory_bytes = lru_.total_bytes();
+  for (const auto& module : modules_) {
+    ModuleStats stats;
+    stats.name = module->spec.name;
+    stats.state = module->blocked ? "eager"
+                  : module->warmup_calls < options_.warmup ? "warmup"
+                                                           : "graphed";
+    stats.calls = module->calls;
+    stats.replays = module->replays;
+    for (const auto& slot : module->slots) {
+      if (slot->entry) {
+        ++stats.graphs;
+        if (out.pool_reserved_bytes == 0) out.pool_reserved_bytes = slot->entry->pool_reserved_bytes();
+      }
+    }
+    out.modules.push_back(std::move(stats));
+  }
+  return out;
+}
+
+void GraphManager::clear() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  for (auto& module : modules_) {
+    while (!module->slots.empty()) evict(module->slots.front()->id);
+  }
+}
+
+}  // namespace graphed

@@ -1,0 +1,451 @@
+// GraphManager's host logic: memory sizes, LRU eviction, module selection, the
+// warm-up -> capture -> replay state machine, bucket plans, budgets and
+// fallbacks with their reasons. Entries are fakes that run the module on CPU
+// tensors, so no GPU is needed; make_inference_entry is tested on the GPU
+// from Python (tests/python/test_auto_gpu.py).
+
+#include "graphed/check.h"
+#include "graphed/graph_manager.h"
+#include "test_support.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+namespace graphed {
+namespace {
+
+using c10::IValue;
+using Buckets = std::map<int64_t, std::vector<int64_t>>;
+
+TEST(MemorySize, ParsesUnitsOfBothKinds) {
+  EXPECT_EQ(parse_memory_size("1048576"), 1048576);
+  EXPECT_EQ(parse_memory_size("512MB"), 512000000);
+  EXPECT_EQ(parse_memory_size("2GiB"), 2LL << 30);
+  EXPECT_EQ(parse_memory_size(" 1.5 gb "), 1500000000);
+  EXPECT_EQ(parse_memory_size("64KiB"), 65536);
+  EXPECT_EQ(parse_memory_size("3B"), 3);
+}
+
+TEST(MemorySize, RefusesWhatItCannotRead) {
+  EXPECT_THROW_WITH(parse_memory_size("2 parsecs"), Error,
+                    "Expected a memory size such as \"512MB\", \"2GiB\"");
+  EXPECT_THROW_WITH(parse_memory_size("GiB"), Error, "got \"GiB\"");
+  EXPECT_THROW_WITH(parse_memory_size("1.2.3MB"), Error, "got \"1.2.3MB\"");
+  EXPECT_THROW_WITH(parse_memory_size("0MB"), Error, "at least one byte");
+}
+
+TEST(MemorySize, FormatsBinaryUnits) {
+  EXPECT_EQ(format_bytes(512), "512 B");
+  EXPECT_EQ(format_bytes(3 * 1024 * 1024 + 200 * 1024), "3.2 MiB");
+  EXPECT_EQ(format_bytes(2LL << 30), "2.0 GiB");
+}
+
+TEST(LruBudget, EvictsLeastRecentlyUsedFirstUntilItFits) {
+  LruBudget lru(250);
+  lru.add(1, 100);
+  lru.add(2, 100);
+  EXPECT_TRUE(lru.over_budget().empty());
+  lru.touch(1);  // 2 is now the least recently used
+  lru.add(3, 100);
+  EXPECT_EQ(lru.order(), (std::vector<uint64_t>{2, 1, 3}));
+  EXPECT_EQ(lru.over_budget(), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(lru.over_budget(/*keep=*/2), (std::vector<uint64_t>{1}));
+  lru.remove(2);
+  EXPECT_EQ(lru.total_bytes(), 200);
+  EXPECT_TRUE(lru.over_budget().empty());
+  lru.remove(42);  // absent: nothing
+  EXPECT_EQ(lru.size(), 2u);
+}
+
+TEST(LruBudget, NoBudgetNeverEvicts) {
+  LruBudget lru;
+  lru.add(1, int64_t{1} << 50);
+  EXPECT_TRUE(lru.over_budget().empty());
+  EXPECT_THROW_WITH(LruBudget(0), Error, "at least one byte");
+}
+
+std::vector<ModuleInfo> gpt_modules(int layers) {
+  std::vector<ModuleInfo> modules{{"", "GPT", 0, false}, {"token", "Embedding", 1000, false},
+                                  {"blocks", "ModuleList", 0, true}};
+  for (int i = 0; i < layers; ++i) {
+    const std::string block = c10::str("blocks.", i);
+    modules.push_back({block, "GPTBlock", 700, false});
+    modules.push_back({block + ".qkv", "Linear", 300, false});
+    modules.push_back({block + ".proj", "Linear", 100, false});
+    modules.push_back({block + ".mlp", "Sequential", 300, true});
+    modules.push_back({block + ".mlp.0", "Linear", 150, false});
+    modules.push_back({block + ".mlp.1", "GELU", 0, false});
+    modules.push_back({block + ".mlp.2", "Linear", 150, false});
+  }
+  modules.push_back({"head", "Linear", 1000, false});
+  return modules;
+}
+
+TEST(SelectRepeatedBlocks, TakesTheLayersNotTheLinearsInside) {
+  EXPECT_EQ(select_repeated_blocks(gpt_modules(3)),
+            (std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"}));
+}
+
+TEST(SelectRepeatedBlocks, TakesEveryNonOverlappingGroup) {
+  const std::vector<ModuleInfo> modules{
+      {"", "Seq2Seq", 0, false},        {"encoder", "ModuleList", 0, true},
+      {"encoder.0", "EncLayer", 50, false}, {"encoder.1", "EncLayer", 50, false},
+      {"decoder", "ModuleList", 0, true},   {"decoder.0", "DecLayer", 80, false},
+      {"decoder.1", "DecLayer", 80, false}, {"decoder.2", "Norm", 1, false}};
+  EXPECT_EQ(select_repeated_blocks(modules),
+            (std::vector<std::string>{"encoder.0", "encoder.1", "decoder.0", "decoder.1"}));
+}
+
+TEST(SelectRepeatedBlocks, WithoutRepeatsTakesTheWholeModel) {
+  const std::vector<ModuleInfo> modules{{"", "Net", 10, false}, {"fc", "Linear", 10, false},
+                                        {"layers", "ModuleList", 0, true},
+                                        {"layers.0", "Linear", 5, false}};
+  EXPECT_EQ(select_repeated_blocks(modules), (std::vector<std::string>{""}));
+}
+
+TEST(ValidateModuleSelection, NamesTheProblem) {
+  const std::vector<ModuleInfo> modules = gpt_modules(2);
+  EXPECT_NO_THROW(validate_module_selection({"blocks.0", "blocks.1"}, modules));
+  EXPECT_THROW_WITH(validate_module_selection({"blocks.7"}, modules), Error,
+                    "Expected the name of a submodule of the model, got 'blocks.7'");
+  EXPECT_THROW_WITH(validate_module_selection({"blocks.0", "blocks.0.mlp"}, modules), Error,
+                    "Module 'blocks.0' contains module 'blocks.0.mlp', and both are chosen");
+  EXPECT_THROW_WITH(validate_module_selection({"", "head"}, modules), Error,
+                    "Module '<root>' contains module 'head'");
+  EXPECT_THROW_WITH(validate_module_selection({"head", "head"}, modules), Error, "chosen twice");
+  EXPECT_THROW_WITH(validate_module_selection({}, modules), Error, "at least one module");
+}
+
+TEST(GraphManagerOptions, AreValidated) {
+  GraphManagerOptions options;
+  options.warmup = 0;
+  EXPECT_THROW_WITH(GraphManager{options}, Error, "Expected warmup >= 1, got 0");
+  EXPECT_THROW_WITH(parse_fallback_policy("ignore"), Error,
+                    "Expected fallback to be \"eager\"");
+  EXPECT_EQ(parse_fallback_policy("raise"), FallbackPolicy::kRaise);
+}
+
+// What the fake factories saw and did.
+struct Journal {
+  std::vector<std::string> captured;  // request descriptions, in capture order
+  std::vector<std::vector<int64_t>> sample_sizes;
+  int64_t runs = 0;
+  int64_t bytes_per_graph = 100;
+  bool fail_capture = false;
+};
+
+// Replays by running the module's forward on the padded sample sizes, so that
+// bucket padding and slicing are visible in the outputs.
+class FakeEntry final : public GraphEntry {
+ public:
+  FakeEntry(const GraphEntryRequest& request, Journal& journal)
+      : module_(request.module), signature_(request.sample, request.input_names),
+        journal_(journal) {}
+  IValue run(const std::vector<IValue>& inputs, const BucketPlan& plan) override {
+    ++journal_.runs;
+    std::vector<IValue> padded;
+    for (const IValue& input : inputs) {
+      padded.push_back(map_tensors(input, [&](const at::Tensor& t) {
+        return resize_to_buckets(t, plan);
+      }));
+    }
+    return slice_to_call(module_->forward(padded), plan);
+  }
+  int64_t memory_bytes() const override { return journal_.bytes_per_graph; }
+  const Signature& signature() const override { return signature_; }
+  int64_t pool_reserved_bytes() const override { return 0; }
+  double capture_ms() const override { return 1.0; }
+
+ private:
+  const ModuleSpec* module_;
+  Signature signature_;
+  Journal& journal_;
+};
+
+GraphEntryFactory fake_factory(Journal& journal) {
+  return [&journal](const GraphEntryRequest& request) -> std::unique_ptr<GraphEntry> {
+    if (journal.fail_capture) {
+      GRAPHED_THROW(CaptureError, "Capturing ", request.description, " failed: aten::nonzero "
+                    "has a data-dependent shape.");
+    }
+    journal.captured.push_back(request.description);
+    journal.sample_sizes.push_back(
+        request.sample.at(0).toTupleRef().elements().at(0).toTensor().sizes().vec());
+    return std::make_unique<FakeEntry>(request, journal);
+  };
+}
+
+// A module computing 2 * x + 1 and counting its eager runs.
+ModuleSpec doubling_module(const std::string& name, int64_t* eager_runs) {
+  ModuleSpec spec;
+  spec.name = name;
+  spec.type = "Doubler";
+  spec.forward = [eager_runs](const std::vector<IValue>& inputs) -> IValue {
+    ++*eager_runs;
+    const at::Tensor x = inputs.at(0).toTupleRef().elements().at(0).toTensor();
+    return x * 2 + 1;
+  };
+  return spec;
+}
+
+std::vector<IValue> call_inputs(const at::Tensor& x, bool training = false) {
+  c10::impl::GenericDict kwargs(c10::StringType::get(), c10::AnyType::get());
+  return {c10::ivalue::Tuple::create({x}), kwargs, IValue(training)};
+}
+
+struct ManagerFixture : ::testing::Test {
+  Journal journal;
+  int64_t eager_runs = 0;
+
+  GraphManager make(GraphManagerOptions options) {
+    options.check_blockers = false;
+    GraphEntryFactories factories;
+    factories.inference = fake_factory(journal);
+    return GraphManager(options, factories);
+  }
+};
+
+TEST_F(ManagerFixture, WarmsUpThenCapturesOnceAndReplays) {
+  GraphManagerOptions options;
+  options.warmup = 2;
+  GraphManager manager = make(options);
+  const size_t first = manager.add_module(doubling_module("blocks.0", &eager_runs));
+  const size_t second = manager.add_module(doubling_module("blocks.1", &eager_runs));
+  const at::Tensor x = at::ones({4, 3});
+  for (int step = 0; step < 5; ++step) {
+    // The second module is called first: the recorded order is call order.
+    EXPECT_TRUE(at::equal(manager.call(second, call_inputs(x)).toTensor(), x * 2 + 1));
+    EXPECT_TRUE(at::equal(manager.call(first, call_inputs(x)).toTensor(), x * 2 + 1));
+  }
+  const GraphManagerStats stats = manager.stats();
+  EXPECT_EQ(stats.calls, 10);
+  EXPECT_EQ(stats.warmup_calls, 4);
+  EXPECT_EQ(stats.captures, 2);
+  EXPECT_EQ(stats.replays, 6);
+  EXPECT_EQ(stats.graphs, 2);
+  EXPECT_EQ(stats.graph_memory_bytes, 200);
+  EXPECT_EQ(stats.order, (std::vector<std::string>{"blocks.1", "blocks.0"}));
+  EXPECT_EQ(journal.captured, (std::vector<std::string>{"module `blocks.1` (Doubler)",
+                                                        "module `blocks.0` (Doubler)"}));
+  ASSERT_EQ(stats.modules.size(), 2u);
+  EXPECT_EQ(stats.modules[0].state, "graphed");
+  EXPECT_EQ(stats.modules[0].replays, 3);
+  EXPECT_EQ(stats.modules[0].graphs, 1);
+  EXPECT_TRUE(stats.fallbacks.empty());
+  EXPECT_EQ(eager_runs, 4 + 6);  // the fake replays by running forward
+}
+
+TEST_F(ManagerFixture, NewSignatureGetsItsOwnGraph) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  for (int64_t batch : {2, 3, 2, 3, 5}) {
+    const at::Tensor x = at::ones({batch, 4});
+    EXPECT_EQ(manager.call(m, call_inputs(x)).toTensor().size(0), batch);
+  }
+  EXPECT_EQ(manager.stats().captures, 3);  // 3, 2 and 5 after the warm-up call with 2
+  EXPECT_EQ(manager.stats().replays, 4);
+  // The training flag is an input: flipping it needs another graph, not a wrong replay.
+  (void)manager.call(m, call_inputs(at::ones({5, 4}), /*training=*/true));
+  EXPECT_EQ(manager.stats().captures, 4);
+}
+
+TEST_F(ManagerFixture, BucketsCaptureLargestFirstThenPadAndSlice) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.buckets = BucketPolicy(Buckets{{0, {1, 2, 4, 8}}});
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  (void)manager.call(m, call_inputs(at::ones({3, 2})));  // warm-up
+  const at::Tensor x = at::arange(6, at::kFloat).reshape({3, 2});
+  const at::Tensor y = manager.call(m, call_inputs(x)).toTensor();
+  EXPECT_TRUE(at::equal(y, x * 2 + 1));
+  EXPECT_EQ(journal.captured,
+            (std::vector<std::string>{"module `layer` (Doubler) at dim 0: 8",
+                                      "module `layer` (Doubler) at dim 0: 4",
+                                      "module `layer` (Doubler) at dim 0: 2",
+                                      "module `layer` (Doubler) at dim 0: 1"}));
+  EXPECT_EQ(journal.sample_sizes[0], (std::vector<int64_t>{8, 2}));
+  EXPECT_EQ(journal.sample_sizes[3], (std::vector<int64_t>{1, 2}));
+  for (int64_t batch : {1, 2, 5, 7, 8}) {
+    const at::Tensor input = at::full({batch, 2}, 3.0);
+    EXPECT_TRUE(at::equal(manager.call(m, call_inputs(input)).toTensor(), input * 2 + 1));
+  }
+  const GraphManagerStats stats = manager.stats();
+  EXPECT_EQ(stats.captures, 4);
+  EXPECT_EQ(stats.replays, 6);
+}
+
+TEST_F(ManagerFixture, UncoveredSizeFallsBackWithTheFix) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.buckets = BucketPolicy(Buckets{{0, {2, 4}}});
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  (void)manager.call(m, call_inputs(at::ones({2, 2})));
+  const at::Tensor big = at::ones({9, 2});
+  EXPECT_TRUE(at::equal(manager.call(m, call_inputs(big)).toTensor(), big * 2 + 1));
+  (void)manager.call(m, call_inputs(big));
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.fallbacks.size(), 1u);
+  EXPECT_EQ(stats.fallbacks[0].module, "layer");
+  EXPECT_EQ(stats.fallbacks[0].count, 2);
+  EXPECT_NE(stats.fallbacks[0].reason.find("above the largest bucket 4 of [2, 4]. Add a bucket "
+                                           "of at least 9 to buckets[0]"),
+            std::string::npos)
+      << stats.fallbacks[0].reason;
+  EXPECT_EQ(stats.fallback_calls, 2);
+}
+
+TEST_F(ManagerFixture, RaisePolicyRaisesForACallNoGraphServes) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.buckets = BucketPolicy(Buckets{{0, {2, 4}}});
+  options.fallback = FallbackPolicy::kRaise;
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  (void)manager.call(m, call_inputs(at::ones({2, 2})));
+  EXPECT_THROW_WITH(manager.call(m, call_inputs(at::ones({9, 2}))), Error,
+                    "module `layer` (Doubler) cannot run as a graph: args[0] has size 9");
+}
+
+TEST_F(ManagerFixture, BudgetEvictsTheLeastRecentlyUsedGraph) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.memory_budget_bytes = 250;
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  auto call = [&](int64_t batch) {
+    const at::Tensor x = at::ones({batch, 2});
+    EXPECT_TRUE(at::equal(manager.call(m, call_inputs(x)).toTensor(), x * 2 + 1));
+  };
+  call(1);  // warm-up
+  call(1);
+  call(2);
+  call(1);  // 2 is now least recently used
+  call(3);  // over budget: evicts 2
+  EXPECT_EQ(manager.stats().evictions, 1);
+  EXPECT_EQ(manager.stats().graphs, 2);
+  call(1);  // still there
+  EXPECT_EQ(manager.stats().captures, 3);
+  call(2);  // captured again, evicting 3
+  EXPECT_EQ(manager.stats().captures, 4);
+  EXPECT_EQ(manager.stats().evictions, 2);
+  EXPECT_EQ(manager.stats().graph_memory_bytes, 200);
+}
+
+TEST_F(ManagerFixture, BudgetSmallerThanOneGraphSaysSo) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.memory_budget_bytes = 50;
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  (void)manager.call(m, call_inputs(at::ones({1, 2})));
+  EXPECT_THROW_WITH(manager.call(m, call_inputs(at::ones({1, 2}))), Error,
+                    "memory_budget=50 B is smaller than one graph: module `layer` (Doubler) "
+                    "holds 100 B. Raise memory_budget to at least 100 B");
+  EXPECT_EQ(manager.stats().graphs, 0);
+}
+
+TEST_F(ManagerFixture, CaptureErrorFallsBackForThatModuleOnly) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  GraphManager manager = make(options);
+  const size_t bad = manager.add_module(doubling_module("bad", &eager_runs));
+  const size_t good = manager.add_module(doubling_module("good", &eager_runs));
+  const at::Tensor x = at::ones({2, 2});
+  (void)manager.call(bad, call_inputs(x));
+  (void)manager.call(good, call_inputs(x));
+  journal.fail_capture = true;
+  EXPECT_TRUE(at::equal(manager.call(bad, call_inputs(x)).toTensor(), x * 2 + 1));
+  journal.fail_capture = false;
+  (void)manager.call(good, call_inputs(x));
+  (void)manager.call(bad, call_inputs(x));  // stays eager without trying again
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.fallbacks.size(), 1u);
+  EXPECT_EQ(stats.fallbacks[0].module, "bad");
+  EXPECT_EQ(stats.fallbacks[0].count, 2);
+  EXPECT_NE(stats.fallbacks[0].reason.find("capture failed: Capturing module `bad` (Doubler) "
+                                           "failed: aten::nonzero"),
+            std::string::npos)
+      << stats.fallbacks[0].reason;
+  EXPECT_EQ(stats.modules[0].state, "eager");
+  EXPECT_EQ(stats.modules[1].state, "graphed");
+  EXPECT_EQ(stats.replays, 1);
+}
+
+TEST_F(ManagerFixture, TrainingCallsFallBackUntilTrainingGraphsArePluggedIn) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  GraphManager manager = make(options);
+  int64_t runs = 0;
+  ModuleSpec spec = doubling_module("layer", &runs);
+  const at::Tensor weight = at::ones({2}).requires_grad_();
+  spec.parameters = {weight};
+  const size_t m = manager.add_module(std::move(spec));
+  const at::Tensor x = at::ones({2, 2});
+  (void)manager.call(m, call_inputs(x));
+  (void)manager.call(m, call_inputs(x));  // grad mode on, a parameter requires grad
+  {
+    c10::NoGradGuard no_grad;
+    (void)manager.call(m, call_inputs(x));  // inference: graphed
+  }
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.fallbacks.size(), 1u);
+  EXPECT_EQ(stats.fallbacks[0].reason, std::string(kTrainingGraphsUnavailable));
+  EXPECT_EQ(stats.replays, 1);
+
+  // With a training factory, the same call is captured as a training entry.
+  Journal training_journal;
+  GraphEntryFactories factories;
+  factories.inference = fake_factory(journal);
+  factories.training = fake_factory(training_journal);
+  options.check_blockers = false;
+  GraphManager with_training(options, factories);
+  ModuleSpec again = doubling_module("layer", &runs);
+  again.parameters = {weight};
+  const size_t n = with_training.add_module(std::move(again));
+  (void)with_training.call(n, call_inputs(x));
+  (void)with_training.call(n, call_inputs(x));
+  EXPECT_EQ(training_journal.captured.size(), 1u);
+  EXPECT_TRUE(with_training.stats().fallbacks.empty());
+}
+
+TEST(GraphManager, CheckedWarmupFindsAHostReadAndFallsBack) {
+  GraphManagerOptions options;
+  options.warmup = 2;
+  Journal journal;
+  GraphEntryFactories factories;
+  factories.inference = fake_factory(journal);
+  GraphManager manager(options, factories);
+  ModuleSpec spec;
+  spec.name = "blocks.3";
+  spec.type = "Block";
+  spec.forward = [](const std::vector<IValue>& inputs) -> IValue {
+    const at::Tensor x = inputs.at(0).toTupleRef().elements().at(0).toTensor();
+    const float scale = x.abs().max().item<float>();  // a host read
+    return x / scale;
+  };
+  const size_t m = manager.add_module(std::move(spec));
+  const at::Tensor x = at::full({2, 2}, 4.0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(at::equal(manager.call(m, call_inputs(x)).toTensor(), at::ones({2, 2})));
+  }
+  const GraphManagerStats stats = manager.stats();
+  EXPECT_TRUE(journal.captured.empty());
+  ASSERT_EQ(stats.fallbacks.size(), 1u);
+  EXPECT_EQ(stats.fallbacks[0].count, 2);  // the two calls after warm-up
+  EXPECT_NE(stats.fallbacks[0].reason.find("graphed.check found a host read, `aten::item`"),
+            std::string::npos)
+      << stats.fallbacks[0].reason;
+  EXPECT_EQ(stats.modules[0].state, "eager");
+}
+
+TEST(GraphManager, UnknownModuleIndexIsRefused) {
+  GraphManager manager(GraphManagerOptions{});
+  EXPECT_THROW_WITH(manager.call(3, {}), Error, "Expected a module index below 0, got 3");
+}
+
+}  // namespace
+}  // namespace graphed

@@ -1,0 +1,214 @@
+"""graphed.auto on a GPU: per-layer graphs equal eager over changing batch
+sizes (with and without buckets), eviction under a small budget, fallbacks of
+a block that cannot be captured, and (once training graphs land) a training
+loop whose outputs and gradients equal eager."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import graphed
+from graphed import workloads
+
+pytestmark = pytest.mark.gpu
+
+BATCHES = tuple(range(1, 65))
+
+
+def small_decoder():
+    workloads.configure_numerics()
+    torch.manual_seed(0)
+    model = workloads.Decoder(width=128, heads=4, layers=3, max_batch=64, length=32).eval()
+    return model
+
+
+def assert_equal_to_eager(managed, reference, batches, cycles=2):
+    with torch.no_grad():
+        for _ in range(cycles):
+            for batch in batches:
+                x = torch.randn(batch, 128, device="cuda")
+                got = managed(x)
+                assert got.shape == (batch, 128)
+                torch.testing.assert_close(got, reference(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("buckets", [None, {0: [1, 2, 4, 8, 16, 32, 64]}])
+def test_batch_sizes_cycling_through_1_to_64_equal_eager(buckets):
+    reference = small_decoder()
+    managed = graphed.auto(workloads.decode_copy(reference), warmup=2, buckets=buckets)
+    assert_equal_to_eager(managed, reference, BATCHES)
+    stats = managed.stats()
+    assert list(stats["modules"]) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert stats["order"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert stats["fallbacks"] == [], stats["fallbacks"]
+    assert stats["warmup_calls"] == 3 * 2
+    assert stats["replays"] == 3 * (2 * len(BATCHES) - 2)
+    # Without buckets one graph per layer and size; with them one per layer and bucket,
+    # all captured ahead, largest first, on each layer's first capture.
+    assert stats["graphs"] == 3 * (len(BATCHES) if buckets is None else 7)
+    assert stats["captures"] == stats["graphs"]
+    assert stats["graph_memory_bytes"] > 0
+    assert stats["pool_reserved_bytes"] > 0
+    assert all(module["state"] == "graphed" for module in stats["modules"].values())
+
+
+def test_outputs_follow_parameter_updates():
+    reference = small_decoder()
+    managed = graphed.auto(workloads.decode_copy(reference), warmup=1)
+    x = torch.randn(5, 128, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            managed(x)
+        for model in (managed, reference):
+            model.blocks[1].fc2.weight.mul_(0.5)
+        torch.testing.assert_close(managed(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert managed.stats()["replays"] == 3 * 3
+
+
+def test_eviction_under_a_small_budget_keeps_working():
+    reference = small_decoder()
+    unlimited = graphed.auto(workloads.decode_copy(reference), warmup=1)
+    sizes = (1, 7, 19, 33, 64)
+    assert_equal_to_eager(unlimited, reference, sizes, cycles=2)
+    total = unlimited.stats()["graph_memory_bytes"]
+    assert total > 0
+
+    budget = total - 1  # one graph too many: the least recently used one goes
+    limited = graphed.auto(workloads.decode_copy(reference), warmup=1, memory_budget=budget)
+    assert_equal_to_eager(limited, reference, sizes, cycles=3)
+    stats = limited.stats()
+    assert stats["evictions"] >= 1
+    assert stats["graph_memory_bytes"] <= budget
+    assert stats["memory_budget_bytes"] == budget
+    assert stats["fallbacks"] == []
+
+
+def test_budget_smaller_than_one_graph_says_how_to_fix_it():
+    managed = graphed.auto(workloads.decode_copy(small_decoder()), warmup=1, memory_budget="1KiB")
+    x = torch.randn(4, 128, device="cuda")
+    with torch.no_grad():
+        managed(x)
+        with pytest.raises(graphed.GraphedError, match=r"memory_budget=1.0 KiB is smaller than one "
+                                                       r"graph: module `blocks.0` \(DecodeBlock\)"
+                                                       r" holds .*Raise memory_budget to at least"):
+            managed(x)
+
+
+def test_uncovered_size_falls_back_and_raise_raises():
+    reference = small_decoder()
+    managed = graphed.auto(workloads.decode_copy(reference), warmup=1, buckets={0: [8, 16]})
+    assert_equal_to_eager(managed, reference, (3, 16, 40), cycles=2)
+    fallbacks = managed.stats()["fallbacks"]
+    assert [f["module"] for f in fallbacks] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all(f["count"] == 2 for f in fallbacks)
+    assert "Add a bucket of at least 40 to buckets[0]" in fallbacks[0]["reason"]
+
+    strict = graphed.auto(workloads.decode_copy(reference), warmup=1, buckets={0: [8, 16]},
+                          fallback="raise")
+    with torch.no_grad():
+        strict(torch.randn(3, 128, device="cuda"))
+        with pytest.raises(graphed.GraphedError, match="above the largest bucket 16"):
+            strict(torch.randn(40, 128, device="cuda"))
+
+
+class ItemBlock(nn.Module):
+    """A block whose forward reads a value to the host: it cannot be captured."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        scale = x.abs().amax().item() + 1.0
+        return x + self.fc(x) / scale
+
+
+class SyncBlock(nn.Module):
+    """Synchronizes the device: graphed.check's C++ pass does not see it, capture does."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        torch.cuda.synchronize()
+        return x + self.fc(x)
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("bad, reason", [(ItemBlock, "graphed.check found a host read, `aten::item`"),
+                                          (SyncBlock, "capture failed")])
+def test_a_block_that_cannot_be_captured_runs_eagerly_and_the_rest_stay_graphed(bad, reason):
+    torch.manual_seed(0)
+    blocks = [PlainBlock(64), bad(64), PlainBlock(64)]
+    # Same class for all, as selection wants repeated blocks: choose them by name.
+    reference = Stack(blocks).cuda()
+    managed = graphed.auto(copy.deepcopy(reference), modules=["blocks.0", "blocks.1", "blocks.2"],
+                           warmup=2)
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(5):
+            torch.testing.assert_close(managed(x), reference(x), rtol=1e-5, atol=1e-5)
+    stats = managed.stats()
+    assert stats["modules"]["blocks.0"]["state"] == "graphed"
+    assert stats["modules"]["blocks.2"]["state"] == "graphed"
+    assert stats["modules"]["blocks.0"]["replays"] == 3
+    assert stats["modules"]["blocks.1"]["state"] == "eager"
+    (fallback,) = stats["fallbacks"]
+    assert fallback["module"] == "blocks.1"
+    assert reason in fallback["reason"], fallback["reason"]
+    if bad is ItemBlock:
+        assert "test_auto_gpu.py" in fallback["reason"]
+    # The failed capture left the process usable: random numbers and allocations work.
+    torch.randn(4, device="cuda").sum().item()
+
+
+@pytest.mark.xfail(strict=True, reason="training graphs not available yet: "
+                   "GraphEntryFactories::training is plugged in with make_graphed_callables")
+def test_training_loop_of_a_small_gpt_equals_eager():
+    workloads.configure_numerics()
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact comparison of gradients
+    try:
+        base, tokens, targets = workloads.gpt_train(batch=2, length=32, vocab=256)
+        eager_model = copy.deepcopy(base)
+        managed = graphed.auto(copy.deepcopy(base), warmup=2)
+        eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+        managed_opt = torch.optim.AdamW(managed.parameters(), lr=1e-3)
+        for _ in range(6):
+            for model, optimizer in ((eager_model, eager_opt), (managed, managed_opt)):
+                optimizer.zero_grad(set_to_none=False)
+                loss = workloads.gpt_loss(model(tokens), targets)
+                loss.backward()
+                model.last_loss = loss.detach()
+            torch.testing.assert_close(managed.last_loss, eager_model.last_loss,
+                                       rtol=1e-5, atol=1e-5)
+            for p, q in zip(managed.parameters(), eager_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            eager_opt.step()
+            managed_opt.step()
+        stats = managed.stats()
+        assert stats["fallbacks"] == [], stats["fallbacks"]
+        assert stats["replays"] == 6 * 4
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
