@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Unio
 
 import torch
 
-from . import _C
+from . import _C, distributed
 
 PoolHandle = Tuple[int, int]
 
@@ -158,6 +158,12 @@ def make_graphed_callables(
             and the pool is released.
         graphed.InputMismatchError: a later call differs from the sample.
     """
+    # DistributedDataParallel stays eager around the graphed module: its forward
+    # prepares the reducer on the host each call, and its hooks all-reduce the
+    # gradients the graphed backward hands to autograd.
+    if isinstance(callables, list):
+        callables = tuple(callables)
+    callables, rewrap = distributed.split_ddp(callables)
     just_one = not isinstance(callables, (tuple, list))
     if just_one:
         callables = (callables,)
@@ -206,7 +212,7 @@ def make_graphed_callables(
             results.append(fn)
         else:
             results.append(_graphed_function(fn, core))
-    return results[0] if just_one else tuple(results)
+    return rewrap(results[0] if just_one else tuple(results))
 
 
 def graphed_core(fn: Any) -> _C.GraphedCallable:
