@@ -325,6 +325,10 @@ GraphableCallable graphable_module(std::shared_ptr<torch::nn::Module> module,
   callable.parameters = module->parameters();
   callable.state = module->buffers();
   callable.training = module->is_training();
+  callable.read_training = [weak = std::weak_ptr<torch::nn::Module>(module)] {
+    const auto alive = weak.lock();
+    return alive ? alive->is_training() : false;
+  };
   callable.read_parameters = [weak = std::weak_ptr<torch::nn::Module>(module)] {
     const auto alive = weak.lock();
     return alive ? alive->parameters() : std::vector<at::Tensor>{};
@@ -367,7 +371,8 @@ void GraphedCallable::check_parameters() const {
 }
 
 c10::IValue GraphedCallable::operator()(const std::vector<c10::IValue>& inputs) {
-  return call(inputs, callable_.training);
+  return call(inputs, callable_.read_training ? std::optional<bool>(callable_.read_training())
+                                              : callable_.training);
 }
 
 c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
@@ -578,14 +583,18 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
 
   // Static input buffers, shared where lifetimes allow (Note [Pipeline order]).
   const std::vector<std::optional<size_t>> donors = schedule.shared_inputs(keys);
+  // Owners first: a donor is always a pair that allocated its own set.
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    if (!donors[p]) {
+      pairs[p]->inputs = std::make_shared<detail::InputBuffers>();
+      pairs[p]->inputs->tensors = StaticInputs(samples[p]).buffers();
+    }
+  }
   for (size_t p = 0; p < pairs.size(); ++p) {
     GraphPair& pair = *pairs[p];
     if (donors[p]) {
       pair.inputs = pairs[*donors[p]]->inputs;
-    } else {
-      pair.inputs = std::make_shared<detail::InputBuffers>();
-      const StaticInputs fresh(samples[p]);
-      pair.inputs->tensors = fresh.buffers();
+      GRAPHED_INTERNAL_ASSERT(pair.inputs != nullptr, "a donor owns its buffers");
     }
     size_t next = 0;
     for (const c10::IValue& input : samples[p]) {

@@ -44,6 +44,9 @@ struct GraphableCallable {
   /// The training flag the callable has now (a module's `training`); calls
   /// with a different flag run eagerly. Unset for plain functions.
   std::optional<bool> training;
+  /// Reads the training flag as it is now, for calls that do not pass it
+  /// (GraphedCallable::operator()); unset to use `training`.
+  std::function<bool()> read_training;
   /// Reads the callable's parameters as they are now, to detect parameters
   /// added, removed or replaced after graphing; unset to skip the check.
   std::function<std::vector<at::Tensor>()> read_parameters;

@@ -201,6 +201,12 @@ TEST(GraphOnGpu, RepointReadsTheNewAddressAndKeepsOtherInputs) {
   const at::Tensor w = at::randn({128, 128}, cuda_floats());
   const at::Tensor bias = at::randn({128}, cuda_floats());
   at::Tensor y;
+  {
+    // Warm up where capture runs: cuBLAS creates its handle on first use,
+    // which capture cannot record.
+    c10::cuda::CUDAStreamGuard on_capture_stream(capture_stream(x.device().index()));
+    y = at::relu(at::addmm(bias, x * 2.0, w)) + x.sum(0);
+  }
   Graph graph;
   graph.capture([&] { y = at::relu(at::addmm(bias, x * 2.0, w)) + x.sum(0); });
   const std::optional<size_t> site = graph.find_references(x.data_ptr(), x.nbytes());
