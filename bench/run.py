@@ -55,27 +55,30 @@ def markdown(results) -> str:
     return "\n".join(lines)
 
 
-def add_advice(results, out_dir: str, quick: bool) -> bool:
-    """The ``advice`` section: for each workload run, graphed.advise's predicted
-    graphed time against the graphed method's time measured above, and the
-    relative error; the GPT timeline PNG goes next to the JSON. True when a
-    prediction is off by more than graphed.bench.TOLERANCE or failed."""
-    results["advice"] = {}
+def add_advice(results, name: str, out_dir: str, quick: bool) -> bool:
+    """The ``advice`` entry of workload ``name``: graphed.advise's predicted
+    graphed time against the graphed method's time measured just before, and
+    the relative error; the GPT timeline PNG goes next to the JSON. Runs right
+    after its workload, before any later workload can spoil the process.
+    True when the prediction is off by more than graphed.bench.TOLERANCE or
+    failed."""
+    record = results["workloads"][name]
+    method = graphed.bench.GRAPHED_METHOD.get(name)
+    if method is None or "error" in record:
+        return False  # no graphed method to predict (host_overhead, decode...) or it failed
+    print(f"bench: advice: {name}", flush=True)
+    measured = record.get("methods", {}).get(method, {}).get("ms")
     failed = False
-    for name, record in results["workloads"].items():
-        print(f"bench: advice: {name}", flush=True)
-        method = graphed.bench.GRAPHED_METHOD[name]
-        measured = record.get("methods", {}).get(method, {}).get("ms")
-        try:
-            entry = graphed.bench.advice_entry(
-                name, measured_ms=measured, plot_dir=out_dir if name == "gpt_train" else None,
-                quick=quick)
-            failed |= not entry["within_tolerance"]
-        except Exception:  # a broken prediction must not hide the timings
-            failed = True
-            entry = {"error": traceback.format_exc()}
-            traceback.print_exc()
-        results["advice"][name] = entry
+    try:
+        entry = graphed.bench.advice_entry(
+            name, measured_ms=measured, plot_dir=out_dir if name == "gpt_train" else None,
+            quick=quick)
+        failed = not entry["within_tolerance"]
+    except Exception:  # a broken prediction must not hide the timings
+        failed = True
+        entry = {"error": traceback.format_exc()}
+        traceback.print_exc()
+    results.setdefault("advice", {})[name] = entry
     return failed
 
 
@@ -110,10 +113,11 @@ def main() -> int:
             failed = True
             results["workloads"][name] = {"error": traceback.format_exc()}
             traceback.print_exc()
-    failed |= add_advice(results, os.path.dirname(os.path.abspath(args.json)), args.quick)
-    with open(args.json, "w") as out:
-        json.dump(results, out, indent=2)
-    table = markdown(results) + "\n" + graphed.bench.markdown(results["advice"])
+        failed |= add_advice(results, name, os.path.dirname(os.path.abspath(args.json)),
+                             args.quick)
+        with open(args.json, "w") as out:  # after each workload: a crash keeps the rest
+            json.dump(results, out, indent=2)
+    table = markdown(results) + "\n" + graphed.bench.markdown(results.get("advice", {}))
     if args.markdown:
         with open(args.markdown, "w") as out:
             out.write(table)

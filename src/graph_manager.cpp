@@ -1,6 +1,7 @@
 #include "graphed/graph_manager.h"
 
 #include "graphed/check.h"
+#include "graphed/graphed_callable.h"
 #include "graphed/safety_check.h"
 #include "graphed/state_snapshot.h"
 #include "graphed/static_io.h"
@@ -29,6 +30,18 @@ namespace graphed {
 // integration point of the training path: while it is unset, training calls
 // run eagerly and are counted as fallbacks with the reason
 // kTrainingGraphsUnavailable (see GraphManager::call_locked), never silently.
+// make_training_entry is the factory graphed.auto plugs in.
+//
+// Each training entry captures its forward and its backward graph at once, in
+// a pool of its own. Sharing the manager's pool would be wrong: entries are
+// captured lazily, module by module, so module 2's forward would be captured
+// after module 1's backward and could reuse the activations module 1's
+// backward frees at capture, which at run time are still waiting for that
+// backward (forward 1, forward 2, backward 2, backward 1). One pool for all
+// training graphs needs them captured together in the recorded order
+// (forwards in order, backwards reversed), as make_graphed_callables does;
+// until the manager does that, a pool per entry keeps gradients right at the
+// price of memory.
 
 namespace {
 
@@ -258,7 +271,75 @@ class InferenceEntry final : public GraphEntry {
   double capture_ms_;
 };
 
+// A training entry: forward and backward graphs of one module for one
+// signature, built by make_graphed_callables; see make_training_entry.
+class TrainingEntry final : public GraphEntry {
+ public:
+  TrainingEntry(std::shared_ptr<GraphedCallable> callable, int64_t input_bytes,
+                double capture_ms)
+      : callable_(std::move(callable)), input_bytes_(input_bytes), capture_ms_(capture_ms) {}
+
+  c10::IValue run(const std::vector<c10::IValue>& inputs, const BucketPlan& plan) override {
+    GRAPHED_CHECK(!plan.pads(), "Expected a training call of ", callable_->description(),
+                  " at the exact size of its graphs, but its inputs would be padded to a "
+                  "bucket. Padding would change the loss (padded rows get gradients); train "
+                  "at bucket sizes, or leave buckets for inference.");
+    return callable_->call(inputs, std::nullopt);
+  }
+
+  int64_t memory_bytes() const override { return input_bytes_ + pool_reserved_bytes(); }
+  const Signature& signature() const override { return callable_->signature(); }
+  int64_t pool_reserved_bytes() const override {
+    int64_t bytes = 0;
+    for (const GraphedPassInfo& info : callable_->graphs()) {
+      bytes = std::max(bytes, info.graph.pool_reserved_bytes);
+    }
+    return bytes;
+  }
+  double capture_ms() const override { return capture_ms_; }
+
+ private:
+  std::shared_ptr<GraphedCallable> callable_;
+  int64_t input_bytes_;
+  double capture_ms_;
+};
+
 }  // namespace
+
+std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request) {
+  GRAPHED_CHECK(request.module != nullptr, "A training entry needs its module.");
+  for (const c10::IValue& input : request.sample) {
+    for_each_tensor(input, [&](const at::Tensor& tensor) {
+      GRAPHED_CHECK_AS(CaptureError, tensor.is_cuda(), "Cannot graph ",
+                       request.description, " for training: an input is ",
+                       describe_tensor(tensor), ", and graphs replay GPU work only. Move the "
+                       "model and its inputs to the GPU.");
+    });
+  }
+  const auto started = std::chrono::steady_clock::now();
+  GraphableCallable callable;
+  callable.function = request.module->forward;
+  callable.parameters = request.module->parameters;
+  callable.state = request.module->state;
+  callable.description = request.description;
+  GraphedCallablesOptions options;
+  options.warmup_iters = request.warmup_iters;
+  // A private pool: see Note [Training entries].
+  options.error_mode = request.error_mode;
+  options.input_names = request.input_names;
+  if (options.input_names.size() != request.sample.size()) {
+    options.input_names.clear();
+  }
+  auto graphed = make_graphed_callables({std::move(callable)}, {request.sample}, options);
+  int64_t input_bytes = 0;
+  for (const TensorSpec& spec : graphed.front()->signature().tensor_specs()) {
+    int64_t elements = 1;
+    for (int64_t size : spec.sizes) elements *= size;
+    input_bytes += elements * static_cast<int64_t>(c10::elementSize(spec.dtype));
+  }
+  return std::make_unique<TrainingEntry>(std::move(graphed.front()), input_bytes,
+                                         elapsed_ms(started));
+}
 
 int64_t parse_memory_size(std::string_view text) {
   const std::string cleaned = trim(text);

@@ -181,46 +181,71 @@ Profile profile(const std::function<void()>& iteration, const ProfileOptions& op
   return result;
 }
 
-ReplayCost measure_replay_cost(c10::DeviceIndex device, int64_t small_nodes,
-                               int64_t large_nodes) {
+// Note [The replay-cost probe]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The probe's kernels must behave like a launch-bound model's. A chain of
+// one-element additions does not: the profiler reports such a kernel as
+// longer than it takes inside a graph, so the fitted per-node cost came out
+// below zero on an H200 (clamped to 0), while graphs of matmuls and
+// elementwise kernels replay about 0.35 us per node slower than the sum of
+// their profiled durations. The probe therefore chains small layers, a
+// 32x512 by 512x512 matmul with bias and a GELU, and counts its kernels from
+// the profiler rather than assuming them.
+ReplayCost measure_replay_cost(c10::DeviceIndex device, int64_t small_layers,
+                               int64_t large_layers) {
   GRAPHED_CHECK(has_cuda_device() && device >= 0 && device < c10::cuda::device_count(),
                 "Expected a CUDA device index below ", c10::cuda::device_count(),
                 " to measure the replay cost on, got ", static_cast<int>(device), ".");
-  GRAPHED_CHECK(small_nodes >= 1 && large_nodes > small_nodes, "Expected 1 <= small_nodes < "
-                "large_nodes, got ", small_nodes, " and ", large_nodes, ".");
+  GRAPHED_CHECK(small_layers >= 1 && large_layers > small_layers, "Expected 1 <= small_layers < "
+                "large_layers, got ", small_layers, " and ", large_layers, ".");
   const c10::cuda::CUDAGuard device_guard(device);
-  const at::Tensor x = at::zeros({1}, at::TensorOptions().device(c10::kCUDA, device));
-  const auto adds = [x](int64_t nodes) {
-    return std::function<void()>([x, nodes] {
-      for (int64_t i = 0; i < nodes; ++i) {
-        x.add_(1);
+  const auto options = at::TensorOptions().device(c10::kCUDA, device);
+  const at::Tensor input = at::randn({32, 512}, options);
+  const at::Tensor weight = at::randn({512, 512}, options).div_(32.0);
+  const at::Tensor bias = at::zeros({512}, options);
+  const auto chain = [&](int64_t layers) {
+    return std::function<void()>([input, weight, bias, layers] {
+      at::Tensor y = input;
+      for (int64_t i = 0; i < layers; ++i) {
+        y = at::gelu(at::addmm(bias, y, weight));
       }
     });
   };
-  GraphCaptureOptions options;
-  options.description = "graphed's replay-cost probe";
+  const auto kernels_of = [](const Trace& trace, double& total_ns) {
+    int64_t kernels = 0;
+    for (const GpuActivity& activity : trace.gpu) {
+      if (activity.kind == ActivityKind::kKernel) {
+        total_ns += static_cast<double>(activity.duration_ns);
+        ++kernels;
+      }
+    }
+    return kernels;
+  };
+  // Eager runs first, on the stream that captures: cuBLAS creates its handle
+  // and workspace on first use, which capture cannot record.
+  {
+    const c10::cuda::CUDAStreamGuard on_capture_stream(capture_stream(device));
+    chain(large_layers)();
+  }
+  double small_ns = 0.0;
+  double large_ns = 0.0;
+  const int64_t small_kernels = kernels_of(record_trace(chain(small_layers), 1), small_ns);
+  const int64_t large_kernels = kernels_of(record_trace(chain(large_layers), 1), large_ns);
+  GRAPHED_CHECK(small_kernels > 0 && large_kernels > small_kernels,
+                "The profiler recorded too few kernels of the replay-cost probe (", small_kernels,
+                " and ", large_kernels, " for ", small_layers, " and ", large_layers,
+                " layers on cuda:", static_cast<int>(device),
+                "); is CUPTI available to this torch build?");
+  GraphCaptureOptions graph_options;
+  graph_options.description = "graphed's replay-cost probe";
   Graph small;
   Graph large;
-  small.capture(adds(small_nodes), options);
-  large.capture(adds(large_nodes), options);
+  small.capture(chain(small_layers), graph_options);
+  large.capture(chain(large_layers), graph_options);
   const double small_us = 1e3 * time_ms([&] { small.replay(); }, 20, 5, 3);
   const double large_us = 1e3 * time_ms([&] { large.replay(); }, 20, 5, 3);
-  // The kernel's own duration, as the profiler reports it for eager launches:
-  // the same instrument that measures the workload's kernels.
-  const Trace trace = record_trace(adds(large_nodes), 1);
-  double kernel_ns = 0.0;
-  int64_t kernels = 0;
-  for (const GpuActivity& activity : trace.gpu) {
-    if (activity.kind == ActivityKind::kKernel) {
-      kernel_ns += static_cast<double>(activity.duration_ns);
-      ++kernels;
-    }
-  }
-  GRAPHED_CHECK(kernels > 0, "The profiler recorded no kernels of the replay-cost probe (",
-                large_nodes, " additions on cuda:", static_cast<int>(device),
-                "); is CUPTI available to this torch build?");
-  return ReplayCost::fit(small_nodes, small_us, large_nodes, large_us,
-                         kernel_ns / static_cast<double>(kernels) / 1e3);
+  return ReplayCost::fit(small_kernels, small_us, large_kernels, large_us,
+                         large_ns / static_cast<double>(large_kernels) / 1e3);
 }
 
 ReplayCost replay_cost(c10::DeviceIndex device) {

@@ -213,6 +213,12 @@ inline constexpr std::string_view kTrainingGraphsUnavailable = "training graphs 
 /// pool itself is reported as pool_reserved_bytes.
 std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& request);
 
+/// Captures a training entry: the module's forward and backward graphs for
+/// the request's signature, through make_graphed_callables (an autograd node
+/// per call), in a pool of its own (Note [Training entries]). Calls must come
+/// at the exact sizes of the sample: bucket padding is refused for training.
+std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request);
+
 /// What happens when a module or a call cannot use a graph.
 enum class FallbackPolicy {
   /// Run eagerly and count the fallback with its reason.

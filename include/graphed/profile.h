@@ -57,11 +57,13 @@ struct Profile {
 Profile profile(const std::function<void()>& iteration, const ProfileOptions& options = {});
 
 /// Measures what replaying a graph costs on `device` beyond its kernels'
-/// durations: replays graphs of `small_nodes` and `large_nodes` tiny
-/// dependent kernels back to back and fits ReplayCost::fit. Takes well under
-/// a second.
-ReplayCost measure_replay_cost(c10::DeviceIndex device, int64_t small_nodes = 32,
-                               int64_t large_nodes = 512);
+/// durations: replays graphs of `small_layers` and `large_layers` small
+/// dependent layers (a 32x512 by 512x512 matmul with bias, then GELU: the
+/// kernels of launch-bound models) back to back and fits ReplayCost::fit to
+/// their kernel counts and the kernels' profiled durations (Note [The
+/// replay-cost probe]). Takes well under a second.
+ReplayCost measure_replay_cost(c10::DeviceIndex device, int64_t small_layers = 8,
+                               int64_t large_layers = 64);
 
 /// measure_replay_cost(device), measured on first use and kept for the
 /// process (thread-safe).

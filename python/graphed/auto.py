@@ -31,7 +31,7 @@ def auto(
     fallback: str = "eager",
     check: bool = True,
     capture_error_mode: str = "global",
-    input_update: str = "auto",
+    input_update: str = "copy",
 ) -> nn.Module:
     """Graph ``model``'s submodules automatically; returns ``model`` itself.
 
@@ -65,11 +65,13 @@ def auto(
             that a module with a capture blocker (``.item()``, a sync...)
             falls back without a failed capture, its reason naming the line.
         capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
-        input_update: ``"auto"`` re-points a graph at inputs that keep
+        input_update: ``"copy"`` (the default) copies new inputs into the
+            graph's buffers; ``"auto"`` re-points a graph at inputs that keep
             arriving at one address (the previous layer's graph output) or
-            are large, instead of copying them on every call; ``"copy"``
-            always copies; ``"repoint"`` re-points wherever possible (see
-            ``graphed.capture``).
+            are large, instead of copying them; ``"repoint"`` re-points
+            wherever possible (see ``graphed.capture``). Re-pointing is
+            opt-in: on the decode benchmark it read freed memory (an illegal
+            access on the H200), which the copy path cannot.
 
     Outputs of a replay are the graph's buffers, valid until the module's
     next call (clone them to keep them longer).

@@ -384,8 +384,8 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         reference_model, reference_optimizer = _copies(model, optimizer)
         eager = eager_training_step(reference_model, reference_optimizer, loss_fn)
         rng = RngSnapshot()
-        expected = [eager(batch) for _ in range(verify_steps)]
-        expected += [p.detach().clone() for p in reference_model.parameters()]
+        expected_losses = [eager(batch) for _ in range(verify_steps)]
+        expected_params = [p.detach().clone() for p in reference_model.parameters()]
         rng.restore()
 
         progress(f"apply {report.strategy}")
@@ -394,9 +394,17 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         captured = ValueSnapshot(training_state([model], [optimizer], guard_state))
 
         progress("verify")
-        got = [step(batch) for _ in range(verify_steps)]
-        got += [p.detach().clone() for p in model.parameters()]
-        report.max_abs_diff = _max_diff(expected, got, rtol, atol, "losses and parameters")
+        got_losses = [step(batch) for _ in range(verify_steps)]
+        got_params = [p.detach().clone() for p in model.parameters()]
+        # An adaptive optimizer (Adam) moves a parameter by up to about its
+        # learning rate per step however small the gradient, so rounding
+        # differences between eager and graphed kernels (TF32, split-K) can
+        # move a parameter by up to 2 x lr per step: parameters are compared
+        # with that bound, losses with rtol/atol.
+        step_bound = 2.0 * verify_steps * max(float(g["lr"]) for g in optimizer.param_groups)
+        report.max_abs_diff = max(
+            _max_diff(expected_losses, got_losses, rtol, atol, "losses"),
+            _max_diff(expected_params, got_params, rtol, max(atol, step_bound), "parameters"))
         captured.restore()
 
         progress("measure")

@@ -44,7 +44,9 @@ std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets
   options.max_capture_ahead = max_capture_ahead;
   options.error_mode = parse_capture_error_mode(capture_error_mode);
   options.input_update = parse_input_update(input_update);
-  return std::make_unique<GraphManager>(std::move(options));
+  GraphEntryFactories factories;
+  factories.training = make_training_entry;
+  return std::make_unique<GraphManager>(std::move(options), std::move(factories));
 }
 
 std::vector<ModuleInfo> infos_from_python(

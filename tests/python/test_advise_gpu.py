@@ -163,8 +163,9 @@ def test_optimize_refuses_blockers_inside_modules_and_changes_nothing():
             return y * float(y.abs().max().item() > 0)
 
     model = torch.nn.Sequential(Blocked(), torch.nn.Linear(32, 4)).cuda()
+    batch = torch.randn(8, 32, device="cuda")  # before the snapshot: it draws random numbers
     before = state_of(model)
-    report = graphed.optimize(model, sample_batch=torch.randn(8, 32, device="cuda"),
+    report = graphed.optimize(model, sample_batch=batch,
                               settings=QUICK)
     assert not report.applied
     assert report.advice.strategy == "fix_blockers"

@@ -138,7 +138,10 @@ def test_training_calls_run_eagerly_and_are_counted():
         torch.testing.assert_close(p.grad, q.grad)
     stats = model.stats()
     assert stats["warmup_calls"] == 3
-    assert [f["reason"] for f in stats["fallbacks"]] == ["training graphs not available yet"] * 3
+    # Without a GPU the training graphs cannot be captured: each module falls back
+    # with the capture's reason.
+    assert all("CUDA" in f["reason"] for f in stats["fallbacks"]), stats["fallbacks"]
+    assert len(stats["fallbacks"]) == 3
     assert [f["count"] for f in stats["fallbacks"]] == [2, 2, 2]
     assert stats["replays"] == 0
 

@@ -281,12 +281,13 @@ def test_failed_capture_leaves_modules_gradients_and_memory_as_they_were():
     module(torch.randn(2, 4, 8, 8, device="cuda")).sum().backward()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     grads = [p.grad.clone() for p in module.parameters()]
+    sample = torch.randn(2, 4, 8, 8, device="cuda")  # before the RNG snapshot: it draws
     rng = torch.cuda.get_rng_state()
     gc.collect()
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     with pytest.raises(graphed.CaptureError, match="item"):
-        graphed.make_graphed_callables(module, (torch.randn(2, 4, 8, 8, device="cuda"),))
+        graphed.make_graphed_callables(module, (sample,))
     gc.collect()
     torch.cuda.synchronize()
     for key, value in module.state_dict().items():
