@@ -9,6 +9,7 @@ size of the cycle; ms is per step, averaged over whole cycles."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any, Callable, Dict, List
 
@@ -119,6 +120,12 @@ def run(quick: bool = False) -> Dict[str, Any]:
         }
         if not quick:
             methods["compile_reduce_overhead"] = Method("compile_reduce_overhead", compiled, True)
+        # DECODE_METHODS=eager,torch_buckets,... runs a subset (eager always),
+        # e.g. to keep torch.compile's cudagraph trees in a process of their own.
+        chosen = os.environ.get("DECODE_METHODS")
+        if chosen:
+            keep = {"eager", *chosen.split(",")}
+            methods = {name: m for name, m in methods.items() if name in keep}
         for method in methods.values():
             print(f"bench: decode: {method.name}", flush=True)
             prepare(method)

@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <atomic>
@@ -311,6 +312,41 @@ void check_no_autocast_cache() {
   }
 }
 
+// Note [Gradient accumulators on the capture stream]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The backward capture differentiates with respect to the parameters, so
+// autograd routes their gradients through the parameters' AccumulateGrad
+// nodes, and makes each node's stream (the stream current when the node was
+// created) wait for the capture stream. A node created on the default stream
+// cannot wait for a capturing stream: CUDA rejects the capture ("operation
+// would make the legacy stream depend on a capturing blocking stream").
+// AccumulateGrad nodes normally die with the autograd graph that made them and
+// warm-up creates fresh ones on the capture stream, but DistributedDataParallel
+// keeps them alive from its construction. Such a parameter is refused before
+// any warm-up, with the fix (build DDP on graphed's capture stream).
+void check_gradient_accumulators(const std::vector<std::shared_ptr<GraphPair>>& pairs,
+                                 const c10::cuda::CUDAStream& capture) {
+  for (const auto& pair : pairs) {
+    for (size_t i = 0; i < pair->grad_parameters.size(); ++i) {
+      const auto accumulator =
+          torch::autograd::impl::try_get_grad_accumulator(pair->grad_parameters[i]);
+      if (!accumulator || accumulator->num_inputs() == 0) {
+        continue;
+      }
+      const c10::Stream found = accumulator->input_metadata(0).stream();
+      GRAPHED_CHECK(found == c10::Stream(capture), "Expected the gradient accumulator of ",
+                    pair->description, "'s parameter ", i, " (",
+                    describe_tensor(pair->grad_parameters[i]), ") on graphed's capture stream, "
+                    "but it was created on stream ", found.id(), " of ", found.device().str(),
+                    " and is still alive (DistributedDataParallel keeps them from its "
+                    "construction), so the backward capture would make that stream wait on "
+                    "the capturing one, which CUDA refuses. Build the DDP model with "
+                    "graphed.distributed.prepare_ddp(module), which constructs it on the "
+                    "capture stream (Note [Gradient accumulators on the capture stream]).");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -580,6 +616,7 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
   shared->device = device.value_or(c10::Device(c10::kCUDA, c10::cuda::current_device()));
   c10::cuda::CUDAGuard device_guard(shared->device);
   shared->pool = options.pool.value_or(new_pool());
+  detail::check_gradient_accumulators(pairs, capture_stream(shared->device.index()));
 
   // Static input buffers, shared where lifetimes allow (Note [Pipeline order]).
   const std::vector<std::optional<size_t>> donors = schedule.shared_inputs(keys);

@@ -212,8 +212,8 @@ def init_process_group(backend: str = "nccl", *, nvlink_multicast: bool = True,
                        **kwargs: Any) -> Any:
     """torch.distributed.init_process_group with the settings capture needs.
 
-    Sets :data:`CAPTURE_ENVIRONMENT` (variables already set are kept, and checked
-    later by TrainStep), and with ``nvlink_multicast=False`` also
+    Sets :data:`CAPTURE_ENVIRONMENT` (overriding torchrun's
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1), and with ``nvlink_multicast=False`` also
     :data:`NVLINK_MULTICAST_OFF`; selects the GPU of ``LOCAL_RANK`` (torchrun)
     when no device is current yet and binds NCCL to it (``device_id``), so the
     communicator exists before any capture. Other arguments go to
@@ -227,8 +227,10 @@ def init_process_group(backend: str = "nccl", *, nvlink_multicast: bool = True,
             "graphed.distributed.init_process_group() instead of "
             "torch.distributed.init_process_group(), or set TORCH_NCCL_ASYNC_ERROR_HANDLING=0 "
             "in the environment before creating it.")
-    for name, value in CAPTURE_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+    # Set, not defaulted: torchrun's elastic agent exports
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING=1 to every worker, so a default would
+    # never apply under the launcher this module is meant for.
+    os.environ.update(CAPTURE_ENVIRONMENT)
     if not nvlink_multicast:
         os.environ.update(NVLINK_MULTICAST_OFF)
     if backend == "nccl" and "device_id" not in kwargs:

@@ -128,13 +128,19 @@ def scenario_make_graphed_callables() -> Dict[str, Any]:
     eager = DistributedDataParallel(copy.deepcopy(base), device_ids=[index])
     eager_losses = eager_ddp_losses(eager, torch.optim.AdamW(eager.parameters(), lr=LR), batches)
 
-    model = DistributedDataParallel(copy.deepcopy(base), device_ids=[index])
+    # A DDP built the usual way keeps its gradient accumulators on the default
+    # stream, which graphing refuses with the fix (checked below); prepare_ddp
+    # builds it on graphed's capture stream.
+    plain = DistributedDataParallel(copy.deepcopy(base), device_ids=[index])
+    refused = refusal(lambda: graphed.make_graphed_callables(plain, (batches[0][0],)))
+    model = distributed.prepare_ddp(copy.deepcopy(base))
     initial = [p.detach().clone() for p in model.parameters()]
     graphed_model = graphed.make_graphed_callables(model, (batches[0][0],))
     losses = eager_ddp_losses(graphed_model, torch.optim.AdamW(model.parameters(), lr=LR),
                               batches)
     result = compare("make_graphed_callables", losses, eager_losses, model, eager, initial)
     result["returned_the_ddp_model"] = graphed_model is model
+    result["plain_ddp_refusal"] = refused
     started = time.monotonic()
     distributed.shutdown(timeout=90)
     return {"runs": [result], "shutdown_s": time.monotonic() - started}

@@ -35,21 +35,25 @@ def exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def assert_equal_to_eager(managed, reference, batches, cycles=2):
+def assert_equal_to_eager(managed, reference, batches, cycles=2, padded=False):
+    # Padded buckets run matmuls of other row counts than eager, whose fp32
+    # reductions may be ordered differently: ~1e-5 relative to the residual
+    # stream's magnitude (seen: 7e-5 absolute on values of a few units).
+    tolerance = dict(rtol=1e-4, atol=1e-4) if padded else dict(rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         for _ in range(cycles):
             for batch in batches:
                 x = torch.randn(batch, 128, device="cuda")
                 got = managed(x)
                 assert got.shape == (batch, 128)
-                torch.testing.assert_close(got, reference(x), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got, reference(x), **tolerance)
 
 
 @pytest.mark.parametrize("buckets", [None, {0: [1, 2, 4, 8, 16, 32, 64]}])
 def test_batch_sizes_cycling_through_1_to_64_equal_eager(buckets):
     reference = small_decoder()
     managed = graphed.auto(workloads.decode_copy(reference), warmup=2, buckets=buckets)
-    assert_equal_to_eager(managed, reference, BATCHES)
+    assert_equal_to_eager(managed, reference, BATCHES, padded=buckets is not None)
     stats = managed.stats()
     assert list(stats["modules"]) == ["blocks.0", "blocks.1", "blocks.2"]
     assert stats["order"] == ["blocks.0", "blocks.1", "blocks.2"]

@@ -136,6 +136,7 @@ def test_make_graphed_callables_under_ddp_equals_eager_ddp(world_size, tmp_path)
     for result in run_ranks("make_graphed_callables", world_size, tmp_path):
         run = result["runs"][0]
         assert run["returned_the_ddp_model"], "make_graphed_callables should return the DDP model"
+        assert "prepare_ddp" in run["plain_ddp_refusal"], run["plain_ddp_refusal"]
         assert_matches_eager(run, result["rank"])
         assert result["shutdown_s"] < 90
 
