@@ -35,25 +35,34 @@ def exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def assert_equal_to_eager(managed, reference, batches, cycles=2, padded=False):
-    # Padded buckets run matmuls of other row counts than eager, whose fp32
-    # reductions may be ordered differently: ~1e-5 relative to the residual
-    # stream's magnitude (seen: 7e-5 absolute on values of a few units).
-    tolerance = dict(rtol=1e-4, atol=1e-4) if padded else dict(rtol=1e-5, atol=1e-5)
+def assert_equal_to_eager(managed, reference, batches, cycles=2, buckets=None):
+    """Outputs equal eager's. A padded bucket runs its matmuls and attention at
+    the bucket's row count, where cuBLAS and SDPA may pick other kernels than
+    at the call's (torch_buckets shows the same 6e-4 on the decode bench); so
+    a padded call is compared exactly with eager at the bucket size (rows are
+    independent: the padding does not change the real rows), and loosely
+    with eager at the call's size."""
     with torch.no_grad():
         for _ in range(cycles):
             for batch in batches:
                 x = torch.randn(batch, 128, device="cuda")
                 got = managed(x)
                 assert got.shape == (batch, 128)
-                torch.testing.assert_close(got, reference(x), **tolerance)
+                if buckets is None:
+                    torch.testing.assert_close(got, reference(x), rtol=1e-5, atol=1e-5)
+                    continue
+                size = min(s for s in buckets if s >= batch)
+                padded = torch.cat([x, x.new_zeros(size - batch, 128)])
+                torch.testing.assert_close(got, reference(padded)[:batch], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got, reference(x), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("buckets", [None, {0: [1, 2, 4, 8, 16, 32, 64]}])
 def test_batch_sizes_cycling_through_1_to_64_equal_eager(buckets):
     reference = small_decoder()
     managed = graphed.auto(workloads.decode_copy(reference), warmup=2, buckets=buckets)
-    assert_equal_to_eager(managed, reference, BATCHES, padded=buckets is not None)
+    assert_equal_to_eager(managed, reference, BATCHES,
+                          buckets=None if buckets is None else buckets[0])
     stats = managed.stats()
     assert list(stats["modules"]) == ["blocks.0", "blocks.1", "blocks.2"]
     assert stats["order"] == ["blocks.0", "blocks.1", "blocks.2"]
