@@ -29,25 +29,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import graphed  # noqa: E402
 from graphed import distributed, workloads  # noqa: E402
 
+from gpt_train import LR, eager_step  # noqa: E402
 from harness import Method, prepare, time_methods  # noqa: E402
 
-LR = 1e-4
 WORKLOAD = "gpt_train_ddp"
 
 
 def eager_ddp(base: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor):
     """gpt_train's eager step (DESIGN.md) on a DDP model built the usual way."""
     model = DistributedDataParallel(copy.deepcopy(base), device_ids=[torch.cuda.current_device()])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step():
-        optimizer.zero_grad(set_to_none=False)
-        loss = workloads.gpt_loss(model(tokens), targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return step
+    return eager_step(model, tokens, targets)
 
 
 def run(quick: bool) -> Dict[str, Any]:

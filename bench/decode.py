@@ -22,7 +22,8 @@ import torch
 import graphed
 from graphed import measure, workloads
 
-from harness import Method, max_abs_diff, prepare, time_methods, workload_record
+from harness import (Method, max_abs_diff, prepare, time_methods, torch_capture,
+                     workload_record)
 
 POWER_OF_TWO = [1, 2, 4, 8, 16, 32, 64]
 
@@ -39,15 +40,7 @@ def torch_buckets(model, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
     graphs: Dict[int, Any] = {}
     for size in sorted(POWER_OF_TWO, reverse=True):
         static_x = torch.zeros(size, width, device="cuda")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                model(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            static_y = model(static_x)
+        graph, static_y = torch_capture(lambda: model(static_x), pool=pool)
         graphs[size] = (graph, static_x, static_y)
 
     def run(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import graphed
 from graphed import measure, workloads
 
-from harness import Method, workload_record, prepare, time_methods
+from harness import Method, workload_record, prepare, time_methods, torch_capture
 
 COMPILE_MODE_WITHOUT_GRAPHS = "default"
 LR = 1e-4
@@ -45,15 +45,7 @@ def torch_full_graph(model, tokens, targets):
         optimizer.step()
         return loss
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            iteration()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = iteration()
+    graph, static_loss = torch_capture(iteration)
 
     def step():
         # The graph reads the model's and optimizer's memory: keep them alive
@@ -80,16 +72,7 @@ def mgc_step(base, tokens, targets, *, graphed_impl: bool, per_layer: bool):
         make(blocks, tuple((sample.clone().detach().requires_grad_(True),) for _ in blocks))
     else:
         make(model, (tokens.clone(),))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step():
-        optimizer.zero_grad(set_to_none=False)
-        loss = workloads.gpt_loss(model(tokens), targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return step
+    return eager_step(model, tokens, targets)
 
 
 def run(quick: bool = False) -> Dict[str, Any]:
@@ -149,15 +132,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
 
 def auto_step(model, tokens, targets, record: Dict[str, Any], warmup_steps: int = 4):
     managed = graphed.auto(model, warmup=3)
-    optimizer = torch.optim.AdamW(managed.parameters(), lr=LR)
-
-    def step():
-        optimizer.zero_grad(set_to_none=False)
-        loss = workloads.gpt_loss(managed(tokens), targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
+    step = eager_step(managed, tokens, targets)
     for _ in range(warmup_steps):  # warm-up calls, then the step that captures
         step()
     torch.cuda.synchronize()
@@ -169,23 +144,28 @@ def auto_step(model, tokens, targets, record: Dict[str, Any], warmup_steps: int 
     return step
 
 
-_plain_run = run
-
-
-def run(quick: bool = False) -> Dict[str, Any]:  # noqa: F811 -- extends the run above
-    result = _plain_run(quick)
-    workloads.configure_numerics()
-    base, tokens, targets = workloads.gpt_train()
-    iters, repeats = (5, 3) if quick else (20, 7)
+def _eager_vs_auto(base, tokens, targets, label: str, quick: bool) -> Dict[str, Method]:
+    """Eager and graphed.auto (optimizer eager) on copies of ``base``, timed side by side."""
     methods = {
         "eager": Method("eager", lambda: eager_step(copy.deepcopy(base), tokens, targets)),
         "graphed_auto": Method("graphed_auto", lambda: auto_step(
             copy.deepcopy(base), tokens, targets, methods["graphed_auto"].record), True),
     }
     for method in methods.values():
-        print(f"bench: gpt_train: {method.name} (auto comparison)", flush=True)
+        print(f"bench: {label}: {method.name}", flush=True)
         prepare(method)
+    iters, repeats = (5, 3) if quick else (20, 7)
     time_methods(methods, iters=iters, repeats=repeats)
+    return methods
+
+
+def run_with_auto(quick: bool = False) -> Dict[str, Any]:
+    """gpt_train: run() plus graphed.auto, timed against an eager run of its own
+    (auto's warm-up steps update the weights, so it cannot share run()'s first-loss check)."""
+    result = run(quick)
+    workloads.configure_numerics()
+    base, tokens, targets = workloads.gpt_train()
+    methods = _eager_vs_auto(base, tokens, targets, "gpt_train (auto comparison)", quick)
     auto = dict(methods["graphed_auto"].record)
     auto["speedup_vs_eager"] = round(methods["eager"].record["ms"] / auto["ms"], 3)
     auto["ratio_to_floor"] = round(auto["ms"] / result["kernel_floor_ms"], 3)
@@ -199,16 +179,7 @@ def run_blocker(quick: bool = False) -> Dict[str, Any]:
     (block 3 falls back to eager; the other blocks stay graphed)."""
     workloads.configure_numerics()
     base, tokens, targets = workloads.gpt_train_blocker()
-    iters, repeats = (5, 3) if quick else (20, 7)
-    methods = {
-        "eager": Method("eager", lambda: eager_step(copy.deepcopy(base), tokens, targets)),
-        "graphed_auto": Method("graphed_auto", lambda: auto_step(
-            copy.deepcopy(base), tokens, targets, methods["graphed_auto"].record), True),
-    }
-    for method in methods.values():
-        print(f"bench: gpt_train_blocker: {method.name}", flush=True)
-        prepare(method)
-    time_methods(methods, iters=iters, repeats=repeats)
+    methods = _eager_vs_auto(base, tokens, targets, "gpt_train_blocker", quick)
     floor_ms, activities = measure.kernel_floor_ms(eager_step(copy.deepcopy(base), tokens, targets))
     return workload_record(methods, floor_ms, activities,
                            workloads.GPT_TRAIN_BLOCKER_DESCRIPTION)

@@ -48,6 +48,22 @@ def prepare(method: Method) -> None:
         method.record["setup_ms"] = round(setup_ms, 2)
 
 
+def torch_capture(fn: Callable[[], Any], *, warmup: int = 3, pool=None):
+    """PyTorch's documented manual capture: ``warmup`` eager calls on a side
+    stream, then ``torch.cuda.graph``. Returns the graph and what ``fn``
+    returned during capture (its static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
+
+
 def time_methods(methods: Dict[str, Method], *, iters: int, repeats: int) -> None:
     """Times every prepared method side by side and stores ``ms`` in its record."""
     times = measure.compare_ms({name: m.run for name, m in methods.items()}, iters=iters,

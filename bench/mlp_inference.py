@@ -11,7 +11,8 @@ import torch
 import graphed
 from graphed import measure, workloads
 
-from harness import Method, workload_record, max_abs_diff, prepare, time_methods
+from harness import (Method, workload_record, max_abs_diff, prepare, time_methods,
+                     torch_capture)
 
 # The mode of torch.compile whose kernels graphed captures: the same fusion as
 # "reduce-overhead", without its cudagraphs, so the comparison isolates the graph mechanism.
@@ -20,15 +21,7 @@ COMPILE_MODE_WITHOUT_GRAPHS = "default"
 
 def torch_manual_graph(model: torch.nn.Module, x: torch.Tensor):
     static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = model(static_x)
+    graph, static_y = torch_capture(lambda: model(static_x))
 
     def step():
         static_x.copy_(x)

@@ -20,7 +20,7 @@ import gpt_train  # noqa: E402
 import host_overhead  # noqa: E402
 import mlp_inference  # noqa: E402
 
-WORKLOADS = {"mlp_inference": mlp_inference.run, "gpt_train": gpt_train.run,
+WORKLOADS = {"mlp_inference": mlp_inference.run, "gpt_train": gpt_train.run_with_auto,
              "host_overhead": host_overhead.run}
 
 # graphed.auto
