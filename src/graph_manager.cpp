@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <iomanip>
@@ -32,16 +33,40 @@ namespace graphed {
 // kTrainingGraphsUnavailable (see GraphManager::call_locked), never silently.
 // make_training_entry is the factory graphed.auto plugs in.
 //
-// Each training entry captures its forward and its backward graph at once, in
-// a pool of its own. Sharing the manager's pool would be wrong: entries are
-// captured lazily, module by module, so module 2's forward would be captured
-// after module 1's backward and could reuse the activations module 1's
-// backward frees at capture, which at run time are still waiting for that
-// backward (forward 1, forward 2, backward 2, backward 1). One pool for all
-// training graphs needs them captured together in the recorded order
-// (forwards in order, backwards reversed), as make_graphed_callables does;
-// until the manager does that, a pool per entry keeps gradients right at the
-// price of memory.
+// A training entry made on demand (a new signature after the first capture, a
+// module left out of the group below) captures its forward and its backward
+// graph at once, in a pool of its own. Sharing a pool with graphs captured
+// at other times would be wrong: module 2's forward captured after module 1's
+// backward could reuse the activations module 1's backward frees at capture,
+// which at run time are still waiting for that backward (forward 1,
+// forward 2, backward 2, backward 1).
+//
+// Note [Training graphs captured together]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// One pool for the training graphs of all modules is safe when they are
+// captured together in the order they run, as make_graphed_callables does:
+// a graph captured later reuses only memory that an earlier one freed
+// before it in that order. So the manager records that order during warm-up:
+// each module's last warm-up call in training mode adds its forward to the
+// record and hooks its outputs, whose first gradient adds the start of its
+// backward (on autograd's thread, hence the recorder's own lock). The call
+// also keeps a copy of its inputs as the sample to capture with. On the
+// first call after warm-up that needs a training graph, every recorded
+// module whose forward and backward ran once joins one make_graphed_callables
+// call with the recorded order (Transformer Engine's convention, Note
+// [Pipeline order]): forwards in call order and backwards as they ran,
+// usually reversed, but two losses backpropagated one after the other are
+// recorded as they happen. Replays are then checked against that order (Note
+// [Replays follow the capture order]); a call out of order cannot replay
+// without corrupting a pending backward, so it runs eagerly and is counted
+// (or raises with fallback="raise").
+//
+// A module called several times per step, or whose outputs got no gradient,
+// is left out (TrainingGroupStats::left_out) and captured on its own. If the
+// group fails to capture, nothing is kept and each member is captured on its
+// own, so that the module that cannot be captured falls back alone. On the
+// GPT of bench/gpt_train.py this halves the training graphs' memory against a
+// pool per module (bench/results/h200.json, gpt_train graphed_auto).
 
 namespace {
 
@@ -272,12 +297,12 @@ class InferenceEntry final : public GraphEntry {
 };
 
 // A training entry: forward and backward graphs of one module for one
-// signature, built by make_graphed_callables; see make_training_entry.
+// signature, built by make_graphed_callables; see make_training_entry and
+// make_training_group.
 class TrainingEntry final : public GraphEntry {
  public:
-  TrainingEntry(std::shared_ptr<GraphedCallable> callable, int64_t input_bytes,
-                double capture_ms)
-      : callable_(std::move(callable)), input_bytes_(input_bytes), capture_ms_(capture_ms) {}
+  TrainingEntry(std::shared_ptr<GraphedCallable> callable, int64_t bytes, double capture_ms)
+      : callable_(std::move(callable)), bytes_(bytes), capture_ms_(capture_ms) {}
 
   c10::IValue run(const std::vector<c10::IValue>& inputs, const BucketPlan& plan) override {
     GRAPHED_CHECK(!plan.pads(), "Expected a training call of ", callable_->description(),
@@ -287,26 +312,28 @@ class TrainingEntry final : public GraphEntry {
     return callable_->call(inputs, std::nullopt);
   }
 
-  int64_t memory_bytes() const override { return input_bytes_ + pool_reserved_bytes(); }
+  int64_t memory_bytes() const override { return bytes_; }
   const Signature& signature() const override { return callable_->signature(); }
-  int64_t pool_reserved_bytes() const override {
+  int64_t pool_reserved_bytes() const override { return pool_bytes(*callable_); }
+  double capture_ms() const override { return capture_ms_; }
+
+  // Bytes the callable's pool holds now.
+  static int64_t pool_bytes(const GraphedCallable& callable) {
     int64_t bytes = 0;
-    for (const GraphedPassInfo& info : callable_->graphs()) {
+    for (const GraphedPassInfo& info : callable.graphs()) {
       bytes = std::max(bytes, info.graph.pool_reserved_bytes);
     }
     return bytes;
   }
-  double capture_ms() const override { return capture_ms_; }
 
  private:
   std::shared_ptr<GraphedCallable> callable_;
-  int64_t input_bytes_;
+  int64_t bytes_;
   double capture_ms_;
 };
 
-}  // namespace
-
-std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request) {
+// The module of a training request as make_graphed_callables takes it.
+GraphableCallable graphable_request(const GraphEntryRequest& request) {
   GRAPHED_CHECK(request.module != nullptr, "A training entry needs its module.");
   for (const c10::IValue& input : request.sample) {
     for_each_tensor(input, [&](const at::Tensor& tensor) {
@@ -316,29 +343,132 @@ std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request
                        "model and its inputs to the GPU.");
     });
   }
-  const auto started = std::chrono::steady_clock::now();
   GraphableCallable callable;
   callable.function = request.module->forward;
   callable.parameters = request.module->parameters;
   callable.state = request.module->state;
   callable.description = request.description;
+  return callable;
+}
+
+// Bytes of the static input buffers of a callable (outside the pool).
+int64_t static_input_bytes(const GraphedCallable& callable) {
+  int64_t bytes = 0;
+  for (const TensorSpec& spec : callable.signature().tensor_specs()) {
+    int64_t elements = 1;
+    for (int64_t size : spec.sizes) elements *= size;
+    bytes += elements * static_cast<int64_t>(c10::elementSize(spec.dtype));
+  }
+  return bytes;
+}
+
+GraphedCallablesOptions training_options(const GraphEntryRequest& request) {
   GraphedCallablesOptions options;
   options.warmup_iters = request.warmup_iters;
-  // A private pool: see Note [Training entries].
   options.error_mode = request.error_mode;
   options.input_names = request.input_names;
   if (options.input_names.size() != request.sample.size()) {
     options.input_names.clear();
   }
-  auto graphed = make_graphed_callables({std::move(callable)}, {request.sample}, options);
-  int64_t input_bytes = 0;
-  for (const TensorSpec& spec : graphed.front()->signature().tensor_specs()) {
-    int64_t elements = 1;
-    for (int64_t size : spec.sizes) elements *= size;
-    input_bytes += elements * static_cast<int64_t>(c10::elementSize(spec.dtype));
+  return options;
+}
+
+}  // namespace
+
+std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request) {
+  const auto started = std::chrono::steady_clock::now();
+  GraphableCallable callable = graphable_request(request);
+  // A private pool: see Note [Training entries].
+  auto graphed = make_graphed_callables({std::move(callable)}, {request.sample},
+                                        training_options(request));
+  const GraphedCallable& only = *graphed.front();
+  const int64_t bytes = static_input_bytes(only) + TrainingEntry::pool_bytes(only);
+  return std::make_unique<TrainingEntry>(std::move(graphed.front()), bytes, elapsed_ms(started));
+}
+
+std::vector<std::unique_ptr<GraphEntry>> make_training_group(
+    const std::vector<GraphEntryRequest>& requests, const std::vector<int64_t>& order) {
+  GRAPHED_CHECK(!requests.empty(), "A training group needs at least one module.");
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<GraphableCallable> callables;
+  std::vector<std::vector<c10::IValue>> samples;
+  for (const GraphEntryRequest& request : requests) {
+    callables.push_back(graphable_request(request));
+    samples.push_back(request.sample);
   }
-  return std::make_unique<TrainingEntry>(std::move(graphed.front()), input_bytes,
-                                         elapsed_ms(started));
+  // One pool, captured in the recorded order: Note [Training graphs captured together].
+  GraphedCallablesOptions options = training_options(requests.front());
+  options.order = order;
+  auto graphed = make_graphed_callables(std::move(callables), std::move(samples), options);
+  const double ms = elapsed_ms(started);
+  const auto count = static_cast<int64_t>(graphed.size());
+  const int64_t pool = TrainingEntry::pool_bytes(*graphed.front());
+  std::vector<std::unique_ptr<GraphEntry>> entries;
+  for (int64_t i = 0; i < count; ++i) {
+    // Shares of the pool that sum to it: the first entry takes the remainder.
+    const int64_t share = pool / count + (i == 0 ? pool % count : 0);
+    const int64_t bytes = static_input_bytes(*graphed[i]) + share;
+    entries.push_back(std::make_unique<TrainingEntry>(std::move(graphed[i]), bytes,
+                                                      ms / static_cast<double>(count)));
+  }
+  return entries;
+}
+
+TrainingGroupPlan plan_training_group(const std::vector<TrainingEvent>& events) {
+  // Per module, in order of first forward: forwards, backwards, and whether a
+  // backward came before any forward.
+  struct Seen {
+    size_t module;
+    int forwards = 0;
+    int backwards = 0;
+    bool backward_first = false;
+  };
+  std::vector<Seen> seen;
+  const auto find = [&](size_t module) -> Seen& {
+    for (Seen& s : seen) {
+      if (s.module == module) return s;
+    }
+    seen.push_back(Seen{module});
+    return seen.back();
+  };
+  for (const TrainingEvent& event : events) {
+    Seen& s = find(event.module);
+    if (event.forward) {
+      ++s.forwards;
+    } else {
+      if (s.forwards == 0) s.backward_first = true;
+      ++s.backwards;
+    }
+  }
+  TrainingGroupPlan plan;
+  std::unordered_map<size_t, int64_t> position;  // module -> 1-based id in the order
+  for (const Seen& s : seen) {
+    if (s.backward_first || s.forwards == 0) {
+      plan.left_out.emplace_back(s.module, "its backward was recorded without its forward");
+    } else if (s.forwards > 1) {
+      plan.left_out.emplace_back(
+          s.module, c10::str("it ran ", s.forwards, " times in the recorded step (a module "
+                             "called several times per step); one graph pair serves one call "
+                             "at a time"));
+    } else if (s.backwards == 0) {
+      plan.left_out.emplace_back(s.module, "no gradient reached its outputs after its last "
+                                           "warm-up call (no backward ran before the next "
+                                           "call)");
+    } else if (s.backwards > 1) {
+      plan.left_out.emplace_back(s.module, c10::str("its backward was recorded ", s.backwards,
+                                                    " times after one forward"));
+    } else {
+      plan.modules.push_back(s.module);
+      position[s.module] = static_cast<int64_t>(plan.modules.size());
+    }
+  }
+  for (const TrainingEvent& event : events) {
+    const auto found = position.find(event.module);
+    if (found != position.end()) {
+      plan.order.push_back(event.forward ? found->second : -found->second);
+    }
+  }
+  return plan;
 }
 
 int64_t parse_memory_size(std::string_view text) {
@@ -570,6 +700,18 @@ struct GraphManager::Slot {
   int64_t replays = 0;
 };
 
+// Note [Training graphs captured together]: forward events come from calls
+// (under the manager's lock), backward events from hooks on autograd's threads.
+struct GraphManager::TrainingRecorder {
+  std::mutex mutex;
+  std::vector<TrainingEvent> events;
+
+  void record(size_t module, bool forward) {
+    std::lock_guard<std::mutex> lock(mutex);
+    events.push_back(TrainingEvent{module, forward});
+  }
+};
+
 struct GraphManager::Module {
   ModuleSpec spec;
   size_t index = 0;
@@ -581,11 +723,14 @@ struct GraphManager::Module {
   std::optional<std::string> blocked;
   std::vector<std::unique_ptr<Slot>> slots;  // most recently used first
   std::string description;
+  // The inputs of its last warm-up call in training mode, until a training
+  // group is planned (Note [Training graphs captured together]).
+  std::optional<std::vector<c10::IValue>> training_sample;
 };
 
 GraphManager::GraphManager(GraphManagerOptions options, GraphEntryFactories factories)
     : options_(std::move(options)), factories_(std::move(factories)),
-      lru_(options_.memory_budget_bytes) {
+      lru_(options_.memory_budget_bytes), recorder_(std::make_shared<TrainingRecorder>()) {
   GRAPHED_CHECK(options_.warmup >= 1, "Expected warmup >= 1, got ", options_.warmup,
                 ". Warm-up calls run eagerly to initialise lazy state and record the call "
                 "order before anything is captured; use at least 1.");
@@ -869,6 +1014,169 @@ c10::IValue GraphManager::call(size_t index, const std::vector<c10::IValue>& inp
   return call_locked(module, inputs);
 }
 
+std::optional<BucketPlan> GraphManager::plan_buckets(const std::vector<c10::IValue>& inputs,
+                                                     std::vector<at::Tensor>& tensors,
+                                                     std::string* why) const {
+  std::vector<std::string> paths;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    collect(inputs[i], i < 2 ? (i == 0 ? "args" : "kwargs") : c10::str("inputs[", i, "]"),
+            tensors, paths);
+  }
+  if (options_.buckets.empty()) return BucketPlan();
+  std::vector<c10::IntArrayRef> sizes;
+  sizes.reserve(tensors.size());
+  for (const at::Tensor& tensor : tensors) sizes.push_back(tensor.sizes());
+  return options_.buckets.plan(sizes, paths, why);
+}
+
+void GraphManager::record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
+                                        const c10::IValue& output) {
+  // See Note [Training graphs captured together].
+  std::vector<c10::IValue> sample;
+  {
+    c10::NoGradGuard no_grad;
+    for (const c10::IValue& input : inputs) {
+      sample.push_back(map_tensors(input, [](const at::Tensor& tensor) {
+        at::Tensor copy = tensor.detach().clone(at::MemoryFormat::Preserve);
+        if (tensor.requires_grad()) copy.requires_grad_(true);
+        return copy;
+      }));
+    }
+  }
+  recorder_->record(module.index, /*forward=*/true);
+  const auto fired = std::make_shared<std::atomic<bool>>(false);
+  const std::weak_ptr<TrainingRecorder> recorder = recorder_;
+  const size_t index = module.index;
+  for_each_tensor(output, [&](const at::Tensor& tensor) {
+    if (!tensor.defined() || !tensor.requires_grad()) return;
+    tensor.register_hook([recorder, fired, index](const at::Tensor&) {
+      if (fired->exchange(true)) return;  // the first gradient starts the backward
+      if (const auto alive = recorder.lock()) alive->record(index, /*forward=*/false);
+    });
+  });
+  module.training_sample = std::move(sample);
+}
+
+void GraphManager::capture_training_group(Module& trigger) {
+  // Every module with a recorded sample is planned now, once: those that do
+  // not join are captured on their own later.
+  // Events of modules planned before (a late gradient) are dropped.
+  std::vector<TrainingEvent> events;
+  {
+    std::lock_guard<std::mutex> lock(recorder_->mutex);
+    for (const TrainingEvent& event : recorder_->events) {
+      if (modules_.at(event.module)->training_sample) events.push_back(event);
+    }
+    recorder_->events.clear();
+  }
+  std::vector<std::vector<c10::IValue>> samples(modules_.size());
+  for (auto& module : modules_) {
+    if (module->training_sample) {
+      samples[module->index] = std::move(*module->training_sample);
+      module->training_sample.reset();
+    }
+  }
+  TrainingGroupPlan plan = plan_training_group(events);
+  TrainingGroupStats group;
+  for (const auto& [index, why] : plan.left_out) {
+    group.left_out.push_back(c10::str(shown(modules_[index]->spec.name), ": ", why));
+  }
+
+  // Members must be graphable now and take their samples unpadded.
+  std::vector<size_t> members;
+  std::vector<BucketPlan> plans;
+  std::vector<int64_t> renumbered(plan.modules.size() + 1, 0);
+  for (size_t i = 0; i < plan.modules.size(); ++i) {
+    Module& module = *modules_[plan.modules[i]];
+    std::vector<at::Tensor> tensors;
+    std::string why;
+    const std::optional<BucketPlan> buckets =
+        plan_buckets(samples[module.index], tensors, &why);
+    if (module.blocked || !module.slots.empty()) {
+      continue;  // fell back or captured since its warm-up
+    }
+    if (!buckets || buckets->pads()) {
+      group.left_out.push_back(c10::str(shown(module.spec.name), ": ",
+                                        buckets ? "its inputs would be padded to a bucket, "
+                                                  "which training graphs refuse"
+                                                : why));
+      continue;
+    }
+    members.push_back(module.index);
+    plans.push_back(*buckets);
+    renumbered[i + 1] = static_cast<int64_t>(members.size());
+  }
+  if (members.empty()) {
+    if (!group.left_out.empty()) counters_.training_groups.push_back(std::move(group));
+    return;
+  }
+  for (int64_t step : plan.order) {
+    const int64_t id = renumbered[static_cast<size_t>(std::abs(step))];
+    if (id != 0) group.order.push_back(step > 0 ? id : -id);
+  }
+
+  std::vector<GraphEntryRequest> requests;
+  for (size_t i = 0; i < members.size(); ++i) {
+    Module& module = *modules_[members[i]];
+    group.modules.push_back(shown(module.spec.name));
+    GraphEntryRequest request;
+    request.module = &module.spec;
+    request.sample = samples[module.index];
+    request.plan = plans[i];
+    request.input_names = input_names(request.sample.size());
+    request.warmup_iters = options_.capture_warmup_iters;
+    request.error_mode = options_.error_mode;
+    request.input_update = options_.input_update;
+    request.description = module.description;
+    requests.push_back(std::move(request));
+  }
+  std::vector<std::unique_ptr<GraphEntry>> entries;
+  const auto started = std::chrono::steady_clock::now();
+  ++depth_;
+  try {
+    entries = factories_.training_group(requests, group.order);
+    --depth_;
+  } catch (const Error& error) {
+    --depth_;
+    group.failure = first_line(error.what_without_backtrace());
+    group.capture_ms = elapsed_ms(started);
+    counters_.training_groups.push_back(std::move(group));
+    return;  // each member is captured on its own when next called
+  } catch (...) {
+    --depth_;
+    throw;
+  }
+  GRAPHED_INTERNAL_ASSERT(entries.size() == members.size(), "one entry per group member");
+  Slot* kept = nullptr;
+  for (size_t i = 0; i < members.size(); ++i) {
+    Module& module = *modules_[members[i]];
+    auto slot = std::make_unique<Slot>();
+    slot->id = next_slot_id_++;
+    slot->key = key_of(requests[i].sample, plans[i], CallMode::kTraining);
+    slot->plan = plans[i];
+    slot->entry = std::move(entries[i]);
+    ++counters_.captures;
+    counters_.capture_ms += slot->entry->capture_ms();
+    group.pool_reserved_bytes = std::max(group.pool_reserved_bytes,
+                                         slot->entry->pool_reserved_bytes());
+    const int64_t bytes = slot->entry->memory_bytes();
+    if (lru_.budget() && bytes > *lru_.budget()) {
+      GRAPHED_THROW(Error, "memory_budget=", format_bytes(*lru_.budget()), " is smaller than "
+                    "one graph: the training graphs of ", module.description, " hold ",
+                    format_bytes(bytes), ". Raise memory_budget to at least ",
+                    format_bytes(bytes), " (a few graphs' worth), or pass memory_budget=None "
+                    "for no limit.");
+    }
+    lru_.add(slot->id, bytes);
+    slots_by_id_[slot->id] = slot.get();
+    if (&module == &trigger) kept = slot.get();
+    module.slots.insert(module.slots.begin(), std::move(slot));
+  }
+  group.capture_ms = elapsed_ms(started);
+  counters_.training_groups.push_back(std::move(group));
+  if (kept != nullptr) enforce_budget(*kept);
+}
+
 c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IValue>& inputs) {
   ++counters_.calls;
   ++module.calls;
@@ -879,17 +1187,10 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
   if (module.blocked) {
     return fall_back(module, *module.blocked, inputs);
   }
-  if (module.warmup_calls < options_.warmup) {
-    ++module.warmup_calls;
-    return run_warmup(module, inputs, module.warmup_calls == options_.warmup);
-  }
 
   std::vector<at::Tensor> tensors;
-  std::vector<std::string> paths;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    collect(inputs[i], i < 2 ? (i == 0 ? "args" : "kwargs") : c10::str("inputs[", i, "]"),
-            tensors, paths);
-  }
+  std::string why;
+  const std::optional<BucketPlan> planned = plan_buckets(inputs, tensors, &why);
   CallMode mode = CallMode::kInference;
   if (c10::GradMode::is_enabled()) {
     const auto requires_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
@@ -899,27 +1200,33 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
       mode = CallMode::kTraining;
     }
   }
+
+  if (module.warmup_calls < options_.warmup) {
+    ++module.warmup_calls;
+    const bool last = module.warmup_calls == options_.warmup;
+    c10::IValue output = run_warmup(module, inputs, last);
+    if (last && mode == CallMode::kTraining && !module.blocked && factories_.training &&
+        factories_.training_group) {
+      record_training_call(module, inputs, output);
+    }
+    return output;
+  }
   if (mode == CallMode::kTraining && !factories_.training) {
     // INTEGRATION POINT, see Note [Training entries]: until the training
     // factory (forward and backward graphs) is plugged in, training calls run
     // eagerly and are counted, so stats() shows that nothing is graphed.
     return fall_back(module, std::string(kTrainingGraphsUnavailable), inputs);
   }
-
-  BucketPlan plan;
-  if (!options_.buckets.empty()) {
-    std::vector<c10::IntArrayRef> sizes;
-    sizes.reserve(tensors.size());
-    for (const at::Tensor& tensor : tensors) sizes.push_back(tensor.sizes());
-    std::string why;
-    std::optional<BucketPlan> planned = options_.buckets.plan(sizes, paths, &why);
-    if (!planned) {
-      return fall_back(module, why, inputs);
-    }
-    plan = std::move(*planned);
+  if (!planned) {
+    return fall_back(module, why, inputs);
   }
+  const BucketPlan& plan = *planned;
 
   Slot* slot = find_slot(module, mode, plan, inputs);
+  if (slot == nullptr && mode == CallMode::kTraining && module.training_sample) {
+    capture_training_group(module);
+    slot = find_slot(module, mode, plan, inputs);
+  }
   if (slot == nullptr) {
     try {
       slot = &capture_slot(module, mode, plan, inputs);
@@ -948,6 +1255,17 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     c10::IValue out = slot->entry->run(inputs, plan);
     --depth_;
     return out;
+  } catch (const ReplayOrderError& error) {
+    --depth_;
+    // Nothing ran: the call can run eagerly without touching the pending
+    // backwards (Note [Training graphs captured together]).
+    --counters_.replays;
+    --module.replays;
+    --slot->replays;
+    if (options_.fallback == FallbackPolicy::kRaise) throw;
+    return fall_back(module, c10::str("called out of its graphs' recorded order: ",
+                                      first_line(error.what_without_backtrace())),
+                     inputs);
   } catch (...) {
     --depth_;
     throw;

@@ -450,7 +450,7 @@ c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
         c10::NoGradGuard no_grad;
         return callable_.function(inputs);
       }
-      GRAPHED_THROW(Error, "The forward of ", pair.description, " was called out of the order "
+      GRAPHED_THROW(ReplayOrderError, "The forward of ", pair.description, " was called out of the order "
                     "its graphs were captured in: it comes at position ", position, " of the "
                     "schedule, but position ", shared.last_position, " already ran and ",
                     shared.pending_backwards, " backward pass(es) are still pending. Replaying "

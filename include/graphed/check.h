@@ -36,6 +36,15 @@ class InputMismatchError : public Error {
   using Error::Error;
 };
 
+/// A graphed callable was called out of the order its graphs were captured
+/// in, while backward passes of its pool were pending (Note [Replays follow
+/// the capture order]). Nothing ran; the call can run eagerly instead.
+/// Python sees it as `graphed.GraphedError`.
+class ReplayOrderError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A CUDA runtime call returned an error status.
 class CudaError : public Error {
  public:

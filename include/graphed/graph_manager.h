@@ -185,6 +185,13 @@ struct GraphEntryRequest {
 /// Captures one entry; throws CaptureError when the module cannot be captured.
 using GraphEntryFactory = std::function<std::unique_ptr<GraphEntry>(const GraphEntryRequest&)>;
 
+/// Captures the training entries of several modules together: one pool,
+/// forward and backward graphs captured in `order` (TrainingGroupPlan::order
+/// over the requests). Returns one entry per request, in request order;
+/// throws like GraphEntryFactory, having captured none.
+using GraphGroupFactory = std::function<std::vector<std::unique_ptr<GraphEntry>>(
+    const std::vector<GraphEntryRequest>& requests, const std::vector<int64_t>& order)>;
+
 /// The factories GraphManager captures with, per call mode.
 struct GraphEntryFactories {
   /// Inference graphs; make_inference_entry when unset.
@@ -194,6 +201,10 @@ struct GraphEntryFactories {
   /// kTrainingGraphsUnavailable. See Note [Training entries] in
   /// graph_manager.cpp.
   GraphEntryFactory training;
+  /// Training graphs of the modules recorded in one warm-up step, captured
+  /// together (Note [Training graphs captured together] in
+  /// graph_manager.cpp); unset: every training entry comes from `training`.
+  GraphGroupFactory training_group;
 };
 
 /// The fallback reason of a training call while GraphEntryFactories::training is unset.
@@ -218,6 +229,42 @@ std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& reques
 /// per call), in a pool of its own (Note [Training entries]). Calls must come
 /// at the exact sizes of the sample: bucket padding is refused for training.
 std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request);
+
+/// Captures the training entries of several modules with one
+/// make_graphed_callables call: one pool, graphs captured in `order`, and
+/// replays checked against it. Each entry's memory is its static inputs plus
+/// its share of the pool (split evenly, so that the entries sum to the pool).
+std::vector<std::unique_ptr<GraphEntry>> make_training_group(
+    const std::vector<GraphEntryRequest>& requests, const std::vector<int64_t>& order);
+
+/// One event of a recorded training step: the forward or the backward of a
+/// managed module.
+struct TrainingEvent {
+  /// Index of the module in the manager.
+  size_t module = 0;
+  /// The forward call when true; the start of its backward otherwise.
+  bool forward = true;
+};
+
+/// Which modules are captured together for training, and in what order.
+struct TrainingGroupPlan {
+  /// Modules captured together into one pool, in the order of their forwards.
+  std::vector<size_t> modules;
+  /// The recorded order over `modules` in Transformer Engine's convention
+  /// (Note [Pipeline order]): +k for the forward of modules[k - 1], -k for
+  /// its backward.
+  std::vector<int64_t> order;
+  /// Recorded modules that cannot join, with why; each is captured on its
+  /// own (a pool of its own) when it needs a training graph.
+  std::vector<std::pair<size_t, std::string>> left_out;
+};
+
+/// Plans the capture of the training graphs of the modules in `events` (each
+/// module's last warm-up forward and the start of its backward, in the order
+/// they ran); see Note [Training graphs captured together] in
+/// graph_manager.cpp. A module joins when its forward ran once and its
+/// backward once after it; the order keeps the recorded sequence.
+TrainingGroupPlan plan_training_group(const std::vector<TrainingEvent>& events);
 
 /// What happens when a module or a call cannot use a graph.
 enum class FallbackPolicy {
@@ -282,6 +329,26 @@ struct FallbackStats {
   int64_t count = 0;
 };
 
+/// Training graphs of several modules captured together into one pool.
+struct TrainingGroupStats {
+  /// The modules, in the order of their forwards.
+  std::vector<std::string> modules;
+  /// The recorded order (TrainingGroupPlan::order) the graphs were captured
+  /// in and replays follow.
+  std::vector<int64_t> order;
+  /// Recorded modules that did not join, each with why ("blocks.3: ...");
+  /// they are captured on their own.
+  std::vector<std::string> left_out;
+  /// Empty when captured; else why the capture failed (each member is then
+  /// captured on its own, so that a module that cannot be captured is found
+  /// and falls back alone).
+  std::string failure;
+  /// Wall time of the capture, warm-up included, in milliseconds.
+  double capture_ms = 0.0;
+  /// Bytes the group's pool held right after capture.
+  int64_t pool_reserved_bytes = 0;
+};
+
 /// What a GraphManager did.
 struct GraphManagerStats {
   /// Calls of managed modules.
@@ -312,6 +379,8 @@ struct GraphManagerStats {
   std::vector<ModuleStats> modules;
   /// Every (module, reason) that fell back, in order of first occurrence.
   std::vector<FallbackStats> fallbacks;
+  /// Training graphs captured together, in order of capture.
+  std::vector<TrainingGroupStats> training_groups;
 };
 
 /// Automatic capture of modules; see the file comment.
@@ -344,9 +413,16 @@ class GraphManager {
  private:
   struct Slot;
   struct Module;
+  struct TrainingRecorder;
 
   c10::IValue call_locked(Module& module, const std::vector<c10::IValue>& inputs);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
+  void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
+                            const c10::IValue& output);
+  void capture_training_group(Module& trigger);
+  std::optional<BucketPlan> plan_buckets(const std::vector<c10::IValue>& inputs,
+                                         std::vector<at::Tensor>& tensors,
+                                         std::string* why) const;
   c10::IValue fall_back(Module& module, const std::string& reason,
                         const std::vector<c10::IValue>& inputs);
   c10::IValue run_eager(Module& module, const std::vector<c10::IValue>& inputs);
@@ -365,6 +441,7 @@ class GraphManager {
   std::unordered_map<uint64_t, Slot*> slots_by_id_;
   LruBudget lru_;
   std::optional<PoolId> pool_;
+  std::shared_ptr<TrainingRecorder> recorder_;
   uint64_t next_slot_id_ = 1;
   int depth_ = 0;
   GraphManagerStats counters_;

@@ -36,8 +36,9 @@ def auto(
     """Graph ``model``'s submodules automatically; returns ``model`` itself.
 
     The chosen submodules run eagerly for ``warmup`` calls while the order of
-    their calls is recorded; each is then captured on its next call (so in
-    call order, into one shared memory pool) and replayed afterwards. The
+    their calls is recorded; then they are captured in that order (for
+    inference, each on its next call into one shared pool; for training, all
+    together, see below) and replayed afterwards. The
     model keeps its parameters, buffers and ``state_dict``; only the chosen
     submodules' ``forward`` is routed through graphed.
 
@@ -77,8 +78,16 @@ def auto(
     next call (clone them to keep them longer).
 
     Training calls (grad mode on and an input or parameter requiring grad)
-    currently run eagerly and are counted as fallbacks with the reason
-    "training graphs not available yet".
+    replay a forward graph whose outputs carry one autograd node that replays
+    the backward graph, as with ``graphed.make_graphed_callables``. The last
+    warm-up step records the order of the modules' forwards and backwards;
+    the first training call after warm-up captures every recorded module
+    together, in that order, into one pool, and replays must then follow it:
+    a call out of order (a module called twice before its backward) runs
+    eagerly and is counted. ``stats()["training_groups"]`` shows the modules,
+    the recorded order and those left out (captured on their own). Training
+    calls are not padded to buckets: they run at the sizes they were
+    captured at.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphed.auto expects a torch.nn.Module, got {type(model).__name__}")
@@ -122,8 +131,8 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     """What graphed.auto did with ``model``: calls, replays, warm-up calls,
     captures, evictions, capture time, live graphs and their memory
     (``graph_memory_bytes``; ``pool_reserved_bytes`` for the shared pool),
-    the recorded call ``order``, per-module counters and every fallback with
-    its reason and count."""
+    the recorded call ``order``, per-module counters, every fallback with
+    its reason and count, and the ``training_groups`` captured together."""
     manager = getattr(model, _MANAGER_ATTRIBUTE, None)
     if manager is None:
         raise _C.GraphedError(

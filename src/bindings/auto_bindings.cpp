@@ -46,6 +46,7 @@ std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets
   options.input_update = parse_input_update(input_update);
   GraphEntryFactories factories;
   factories.training = make_training_entry;
+  factories.training_group = make_training_group;
   return std::make_unique<GraphManager>(std::move(options), std::move(factories));
 }
 
@@ -93,6 +94,18 @@ py::dict stats_to_python(const GraphManagerStats& stats) {
     fallbacks.append(entry);
   }
   out["fallbacks"] = fallbacks;
+  py::list groups;
+  for (const TrainingGroupStats& group : stats.training_groups) {
+    py::dict entry;
+    entry["modules"] = group.modules;
+    entry["order"] = group.order;
+    entry["left_out"] = group.left_out;
+    entry["failure"] = group.failure.empty() ? py::object(py::none()) : py::str(group.failure);
+    entry["capture_ms"] = group.capture_ms;
+    entry["pool_reserved_bytes"] = group.pool_reserved_bytes;
+    groups.append(entry);
+  }
+  out["training_groups"] = groups;
   return out;
 }
 

@@ -412,6 +412,155 @@ TEST_F(ManagerFixture, TrainingCallsFallBackUntilTrainingGraphsArePluggedIn) {
   EXPECT_TRUE(with_training.stats().fallbacks.empty());
 }
 
+std::vector<TrainingEvent> events(std::initializer_list<int64_t> steps) {
+  std::vector<TrainingEvent> out;
+  for (int64_t step : steps) {
+    out.push_back(TrainingEvent{static_cast<size_t>(std::abs(step)) - 1, step > 0});
+  }
+  return out;
+}
+
+TEST(PlanTrainingGroup, KeepsTheRecordedOrderOfForwardsAndBackwards) {
+  TrainingGroupPlan plan = plan_training_group(events({1, 2, 3, -3, -2, -1}));
+  EXPECT_EQ(plan.modules, (std::vector<size_t>{0, 1, 2}));
+  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, 2, 3, -3, -2, -1}));
+  EXPECT_TRUE(plan.left_out.empty());
+
+  // Two losses backpropagated one after the other: backwards in call order.
+  plan = plan_training_group(events({1, 2, -1, -2}));
+  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, 2, -1, -2}));
+
+  // Modules numbered by their forwards, not by their registration.
+  plan = plan_training_group(events({4, 2, -2, -4}));
+  EXPECT_EQ(plan.modules, (std::vector<size_t>{3, 1}));
+  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, 2, -2, -1}));
+}
+
+TEST(PlanTrainingGroup, LeavesOutWhatOneGraphPairCannotServe) {
+  // Module 1 runs twice per step, module 2 gets no gradient, module 4's
+  // backward arrives without its forward.
+  const TrainingGroupPlan plan = plan_training_group(events({1, 2, 3, 1, -4, -3, -1}));
+  EXPECT_EQ(plan.modules, (std::vector<size_t>{2}));
+  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, -1}));
+  ASSERT_EQ(plan.left_out.size(), 3u);
+  EXPECT_EQ(plan.left_out[0].first, 0u);
+  EXPECT_NE(plan.left_out[0].second.find("ran 2 times"), std::string::npos);
+  EXPECT_EQ(plan.left_out[1].first, 1u);
+  EXPECT_NE(plan.left_out[1].second.find("no gradient reached its outputs"), std::string::npos);
+  EXPECT_EQ(plan.left_out[2].first, 3u);
+  EXPECT_TRUE(plan_training_group({}).modules.empty());
+}
+
+// A module computing x * weight, for training calls on CPU tensors.
+ModuleSpec scaling_module(const std::string& name, const at::Tensor& weight) {
+  ModuleSpec spec;
+  spec.name = name;
+  spec.type = "Scale";
+  spec.parameters = {weight};
+  spec.forward = [weight](const std::vector<IValue>& inputs) -> IValue {
+    return inputs.at(0).toTupleRef().elements().at(0).toTensor() * weight;
+  };
+  return spec;
+}
+
+struct GroupJournal {
+  std::vector<std::vector<std::string>> modules;  // per group capture
+  std::vector<std::vector<int64_t>> orders;
+  bool fail = false;
+};
+
+GraphGroupFactory fake_group_factory(GroupJournal& groups, Journal& journal) {
+  return [&groups, &journal](const std::vector<GraphEntryRequest>& requests,
+                             const std::vector<int64_t>& order) {
+    if (groups.fail) {
+      GRAPHED_THROW(CaptureError, "Capturing the group failed: aten::nonzero.");
+    }
+    std::vector<std::string> names;
+    std::vector<std::unique_ptr<GraphEntry>> entries;
+    for (const GraphEntryRequest& request : requests) {
+      names.push_back(request.module->name);
+      entries.push_back(std::make_unique<FakeEntry>(request, journal));
+    }
+    groups.modules.push_back(names);
+    groups.orders.push_back(order);
+    return entries;
+  };
+}
+
+TEST(GraphManager, TrainingGraphsOfAStepAreCapturedTogetherInTheRecordedOrder) {
+  GraphManagerOptions options;
+  options.warmup = 2;
+  options.check_blockers = false;
+  Journal journal;
+  Journal training_journal;
+  GroupJournal groups;
+  GraphEntryFactories factories;
+  factories.inference = fake_factory(journal);
+  factories.training = fake_factory(training_journal);
+  factories.training_group = fake_group_factory(groups, training_journal);
+  GraphManager manager(options, factories);
+  const at::Tensor w0 = at::full({3}, 2.0).requires_grad_();
+  const at::Tensor w1 = at::full({3}, 3.0).requires_grad_();
+  const at::Tensor w2 = at::full({3}, 5.0).requires_grad_();
+  const size_t first = manager.add_module(scaling_module("blocks.0", w0));
+  const size_t second = manager.add_module(scaling_module("blocks.1", w1));
+  const size_t head = manager.add_module(scaling_module("head", w2));
+  const at::Tensor x = at::ones({2, 3});
+  for (int step = 0; step < 4; ++step) {
+    // blocks.1 runs before blocks.0; the head has a loss of its own that is
+    // backpropagated first.
+    const at::Tensor a = manager.call(second, call_inputs(x)).toTensor();
+    const at::Tensor b = manager.call(first, call_inputs(a)).toTensor();
+    const at::Tensor c = manager.call(head, call_inputs(x)).toTensor();
+    c.sum().backward();
+    b.sum().backward();
+  }
+  ASSERT_EQ(groups.modules.size(), 1u);
+  EXPECT_EQ(groups.modules[0], (std::vector<std::string>{"blocks.1", "blocks.0", "head"}));
+  EXPECT_EQ(groups.orders[0], (std::vector<int64_t>{1, 2, 3, -3, -2, -1}));
+  EXPECT_TRUE(training_journal.captured.empty());  // nothing captured on its own
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.training_groups.size(), 1u);
+  EXPECT_EQ(stats.training_groups[0].order, groups.orders[0]);
+  EXPECT_TRUE(stats.training_groups[0].failure.empty());
+  EXPECT_EQ(stats.captures, 3);
+  EXPECT_EQ(stats.replays, 6);
+  EXPECT_TRUE(stats.fallbacks.empty());
+  // The fakes replay eagerly: gradients are those of four eager steps.
+  EXPECT_TRUE(at::allclose(w0.grad(), at::full({3}, 4 * 2 * 3.0)));
+}
+
+TEST(GraphManager, AFailedTrainingGroupCapturesEachModuleOnItsOwn) {
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.check_blockers = false;
+  Journal journal;
+  Journal training_journal;
+  GroupJournal groups;
+  groups.fail = true;
+  GraphEntryFactories factories;
+  factories.inference = fake_factory(journal);
+  factories.training = fake_factory(training_journal);
+  factories.training_group = fake_group_factory(groups, training_journal);
+  GraphManager manager(options, factories);
+  const at::Tensor w = at::full({3}, 2.0).requires_grad_();
+  const size_t first = manager.add_module(scaling_module("first", w));
+  const size_t other = manager.add_module(scaling_module("other", w));
+  const at::Tensor x = at::ones({2, 3});
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor y = manager.call(first, call_inputs(x)).toTensor();
+    const at::Tensor z = manager.call(other, call_inputs(y)).toTensor();
+    z.sum().backward();
+  }
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.training_groups.size(), 1u);
+  EXPECT_NE(stats.training_groups[0].failure.find("Capturing the group failed"),
+            std::string::npos);
+  EXPECT_EQ(training_journal.captured,
+            (std::vector<std::string>{"module `first` (Scale)", "module `other` (Scale)"}));
+  EXPECT_TRUE(stats.fallbacks.empty());
+}
+
 TEST(GraphManager, CheckedWarmupFindsAHostReadAndFallsBack) {
   GraphManagerOptions options;
   options.warmup = 2;

@@ -1,7 +1,8 @@
 """graphed.auto on a GPU: per-layer graphs equal eager over changing batch
 sizes (with and without buckets), eviction under a small budget, fallbacks of
-a block that cannot be captured, and (once training graphs land) a training
-loop whose outputs and gradients equal eager."""
+a block that cannot be captured, and training loops whose outputs and
+gradients equal eager: a small GPT, a block that cannot be captured, backward
+passes in another order than reversed, and a block called twice per step."""
 
 import copy
 
@@ -232,5 +233,114 @@ def test_training_loop_of_a_small_gpt_equals_eager():
         stats = managed.stats()
         assert stats["fallbacks"] == [], stats["fallbacks"]
         assert stats["replays"] == 6 * 4
+        # Every layer's graphs were captured together, in the recorded order,
+        # into one pool (Note [Training graphs captured together]).
+        (group,) = stats["training_groups"]
+        layers = len(managed.blocks)
+        assert group["modules"] == [f"blocks.{i}" for i in range(layers)]
+        assert group["order"] == list(range(1, layers + 1)) + list(range(-layers, 0))
+        assert group["failure"] is None and group["left_out"] == []
+        assert group["pool_reserved_bytes"] > 0
     finally:
         torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def train_side_by_side(reference, managed, step, steps=6):
+    """Runs `step(model)` (forward and backward) on both models with SGD and
+    checks that gradients and parameters stay equal."""
+    eager_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    managed_opt = torch.optim.SGD(managed.parameters(), lr=0.1)
+    for _ in range(steps):
+        for model, optimizer in ((reference, eager_opt), (managed, managed_opt)):
+            optimizer.zero_grad(set_to_none=False)
+            step(model)
+        for p, q in zip(managed.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        eager_opt.step()
+        managed_opt.step()
+
+
+@pytest.mark.parametrize("bad, reason", [(ItemBlock, "graphed.check found a host read, `aten::item`"),
+                                          (SyncBlock, "capture failed")])
+def test_training_with_a_block_that_cannot_be_captured_graphs_the_others(bad, reason):
+    torch.manual_seed(0)
+    reference = Stack([PlainBlock(64), bad(64), PlainBlock(64)]).cuda()
+    managed = graphed.auto(copy.deepcopy(reference), modules=["blocks.0", "blocks.1", "blocks.2"],
+                           warmup=2)
+    x = torch.randn(8, 64, device="cuda")
+    train_side_by_side(reference, managed, lambda model: model(x).square().mean().backward())
+    stats = managed.stats()
+    assert stats["modules"]["blocks.0"]["state"] == "graphed"
+    assert stats["modules"]["blocks.2"]["state"] == "graphed"
+    assert stats["modules"]["blocks.0"]["replays"] == 4
+    assert stats["modules"]["blocks.1"]["state"] == "eager"
+    (fallback,) = stats["fallbacks"]
+    assert fallback["module"] == "blocks.1" and reason in fallback["reason"], fallback
+    (group,) = stats["training_groups"]
+    if bad is ItemBlock:
+        # Found during warm-up: never recorded, the others captured together.
+        assert group["modules"] == ["blocks.0", "blocks.2"]
+        assert group["order"] == [1, 2, -2, -1]
+    else:
+        # Found by the group's capture: each is then captured on its own.
+        assert "blocks.1" in group["modules"] and group["failure"], group
+    torch.randn(4, device="cuda").sum().item()
+
+
+class TwoHeads(nn.Module):
+    """Two branches with losses of their own, backpropagated one after the
+    other: branch 0's backward runs before branch 1's."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.branches = nn.ModuleList([PlainBlock(width), PlainBlock(width)])
+
+    def forward(self, x):
+        return [branch(x) for branch in self.branches]
+
+
+def test_backward_passes_recorded_in_the_order_they_ran():
+    torch.manual_seed(0)
+    reference = TwoHeads(64).cuda()
+    managed = graphed.auto(copy.deepcopy(reference), warmup=2)
+    x = torch.randn(8, 64, device="cuda")
+
+    def step(model):
+        first, second = model(x)
+        first.square().mean().backward()
+        second.abs().mean().backward()
+
+    train_side_by_side(reference, managed, step)
+    stats = managed.stats()
+    assert stats["fallbacks"] == []
+    (group,) = stats["training_groups"]
+    assert group["modules"] == ["branches.0", "branches.1"]
+    assert group["order"] == [1, 2, -1, -2]
+
+
+class Twice(nn.Module):
+    """One block applied twice per step (weight tying)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.blocks = nn.ModuleList([PlainBlock(width), PlainBlock(width)])
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        return self.blocks[1](self.blocks[1](x))
+
+
+def test_a_block_called_twice_per_step_replays_once_and_runs_eagerly_once():
+    torch.manual_seed(0)
+    reference = Twice(64).cuda()
+    managed = graphed.auto(copy.deepcopy(reference), warmup=2)
+    x = torch.randn(8, 64, device="cuda")
+    train_side_by_side(reference, managed, lambda model: model(x).square().mean().backward())
+    stats = managed.stats()
+    # The second call of a step would overwrite what the first call's pending
+    # backward reads: it runs eagerly and says why.
+    (fallback,) = stats["fallbacks"]
+    assert fallback["module"] == "blocks.1"
+    assert "called out of its graphs' recorded order" in fallback["reason"], fallback
+    assert stats["modules"]["blocks.0"]["replays"] == 4  # steps 3 to 6
+    assert stats["modules"]["blocks.1"]["replays"] == fallback["count"] == 5
