@@ -1255,7 +1255,7 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     c10::IValue out = slot->entry->run(inputs, plan);
     --depth_;
     return out;
-  } catch (const ReplayOrderError& error) {
+  } catch (const ReplayOrderError&) {
     --depth_;
     // Nothing ran: the call can run eagerly without touching the pending
     // backwards (Note [Training graphs captured together]).
@@ -1263,8 +1263,12 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     --module.replays;
     --slot->replays;
     if (options_.fallback == FallbackPolicy::kRaise) throw;
-    return fall_back(module, c10::str("called out of its graphs' recorded order: ",
-                                      first_line(error.what_without_backtrace())),
+    // One reason for every such call (the error's positions vary), so that
+    // stats() counts them together.
+    return fall_back(module, "called out of its graphs' recorded order while backward passes "
+                             "of their pool were pending (e.g. a module called again before "
+                             "its backward ran): replaying would overwrite what those backwards "
+                             "read, so the call ran eagerly",
                      inputs);
   } catch (...) {
     --depth_;

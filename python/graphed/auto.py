@@ -71,8 +71,10 @@ def auto(
             arriving at one address (the previous layer's graph output) or
             are large, instead of copying them; ``"repoint"`` re-points
             wherever possible (see ``graphed.capture``). Re-pointing is
-            opt-in: on the decode benchmark it read freed memory (an illegal
-            access on the H200), which the copy path cannot.
+            opt-in: it is right only if graphed finds every kernel argument
+            that holds the input's address (Note [Re-pointing a graph]),
+            while a copy is right always; bench/decode.py measures both
+            (graphed_auto vs graphed_auto_repoint).
 
     Outputs of a replay are the graph's buffers, valid until the module's
     next call (clone them to keep them longer).

@@ -339,6 +339,7 @@ def test_a_block_called_twice_per_step_replays_once_and_runs_eagerly_once():
     stats = managed.stats()
     # The second call of a step would overwrite what the first call's pending
     # backward reads: it runs eagerly and says why.
+    assert len(stats["fallbacks"]) == 1, stats["fallbacks"]
     (fallback,) = stats["fallbacks"]
     assert fallback["module"] == "blocks.1"
     assert "called out of its graphs' recorded order" in fallback["reason"], fallback
