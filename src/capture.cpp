@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <chrono>
@@ -227,6 +228,8 @@ c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_in
     inputs = &with_guards;
   }
   scratch_.clear();
+  // The call's inputs are not kept past it (their memory would stay pinned).
+  const auto release_inputs = c10::make_scope_exit([this] { scratch_.clear(); });
   if (!signature_.collect_tensors(*inputs, scratch_)) {
     raise_mismatch(*inputs);
   }

@@ -11,6 +11,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/ScopeExit.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -422,7 +423,12 @@ c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
   check_parameters();
   const std::shared_ptr<GraphPair>& pair_ptr = pairs_[next_microbatch_];
   GraphPair& pair = *pair_ptr;
+  // The call's inputs are not kept past it: they would pin their memory and,
+  // through their autograd history, the caller's last autograd graph, whose
+  // AccumulateGrad nodes a later capture must not find alive (Note [Gradient
+  // accumulators on the capture stream]).
   scratch_.clear();
+  const auto release_inputs = c10::make_scope_exit([this] { scratch_.clear(); });
   if (!pair.signature.collect_tensors(inputs, scratch_)) {
     std::ostringstream message;
     message << "The inputs do not match those " << pair.description << " was graphed with:";

@@ -2,6 +2,7 @@
 capture failures that name their cause and leave everything usable."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -34,6 +35,19 @@ def test_module_capture_matches_eager_on_new_inputs(mlp):
     assert stats["input_copies"] == 3
     assert stats["kernels"] >= 16 * 3
     assert stats["pool_reserved_bytes"] > 0
+
+
+def test_a_call_keeps_no_reference_to_its_input(mlp):
+    """PyTorch keeps a tensor's Python object alive while C++ holds the
+    tensor, so the weak reference dies only if graphed let go of the input."""
+    model, x = mlp
+    with torch.no_grad():
+        fast = graphed.capture(model, x)
+        new_x = torch.randn_like(x)
+        alive = weakref.ref(new_x)
+        fast(new_x)
+        del new_x
+    assert alive() is None
 
 
 def test_passing_the_static_input_skips_the_copy(mlp):

@@ -11,6 +11,7 @@ rtol=1e-4, atol=1e-5 (attention).
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -56,6 +57,23 @@ def assert_grads_close(graphed_module, eager_module, rtol, atol):
     for (name, p), q in zip(graphed_module.named_parameters(), eager_module.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+
+
+def test_a_call_keeps_neither_its_input_nor_the_autograd_graph_behind_it():
+    """The input's autograd history reaches the first layer's parameters; a
+    graphed layer that kept the input would keep that layer's AccumulateGrad
+    nodes alive, and a later capture of the first layer would refuse them."""
+    torch.manual_seed(0)
+    first, second = MLP().cuda(), MLP().cuda()
+    (graphed_second,) = graphed.make_graphed_callables(
+        (second,), (torch.randn(8, 64, device="cuda", requires_grad=True),))
+    hidden = first(torch.randn(8, 64, device="cuda"))
+    alive = weakref.ref(hidden)
+    graphed_second(hidden).sum().backward()
+    del hidden
+    assert alive() is None
+    # With nothing alive from that step, the first layer can be graphed too.
+    graphed.make_graphed_callables((first,), (torch.randn(8, 64, device="cuda"),))
 
 
 @pytest.mark.parametrize(
