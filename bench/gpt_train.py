@@ -126,9 +126,9 @@ def run(quick: bool = False) -> Dict[str, Any]:
     return workload_record(methods, floor_ms, activities, workloads.GPT_TRAIN_DESCRIPTION)
 
 
-# graphed.auto (issue 6): per-block forward and backward graphs with the
-# optimizer eager. Until training graphs land in graphed.auto, its training
-# calls run eagerly and are counted as fallbacks; "fallback_calls" shows it.
+# graphed.auto (issue 6): per-block forward and backward graphs, captured
+# together in the recorded order, with the optimizer eager. "fallbacks" lists
+# the blocks that run eagerly (block 3 of gpt_train_blocker) with the reason.
 
 def auto_step(model, tokens, targets, record: Dict[str, Any], warmup_steps: int = 4):
     managed = graphed.auto(model, warmup=3)

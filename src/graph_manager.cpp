@@ -573,15 +573,38 @@ std::vector<std::string> select_repeated_blocks(const std::vector<ModuleInfo>& m
   std::unordered_map<std::string, size_t> index_of;
   for (size_t i = 0; i < modules.size(); ++i) index_of[modules[i].name] = i;
 
-  // Children of each container, grouped by class.
+  const auto in_container = [&](const ModuleInfo& module) {
+    if (module.name.empty()) return false;
+    const auto parent = index_of.find(parent_of(module.name));
+    return parent != index_of.end() && modules[parent->second].is_container;
+  };
+  // How many children of each container have each class, as their own class
+  // or as a base.
+  std::unordered_map<std::string, int64_t> children_with;  // "container\0class" -> count
+  for (const ModuleInfo& module : modules) {
+    if (!in_container(module)) continue;
+    const std::string container = parent_of(module.name) + '\0';
+    ++children_with[container + module.type];
+    for (const std::string& base : module.bases) ++children_with[container + base];
+  }
+
+  // Children of each container, grouped by their own class if a sibling
+  // shares it, else by their nearest base a sibling shares.
   std::vector<Group> groups;
-  std::unordered_map<std::string, size_t> group_of;  // "container\0type" -> group
+  std::unordered_map<std::string, size_t> group_of;  // "container\0class" -> group
   for (size_t i = 0; i < modules.size(); ++i) {
     const ModuleInfo& module = modules[i];
-    if (module.name.empty()) continue;
-    const auto parent = index_of.find(parent_of(module.name));
-    if (parent == index_of.end() || !modules[parent->second].is_container) continue;
-    const std::string group_key = parent_of(module.name) + '\0' + module.type;
+    if (!in_container(module)) continue;
+    const std::string container = parent_of(module.name) + '\0';
+    std::string group_key = container + module.type;
+    if (children_with[group_key] < 2) {
+      for (const std::string& base : module.bases) {
+        if (children_with[container + base] >= 2) {
+          group_key = container + base;
+          break;
+        }
+      }
+    }
     auto [found, inserted] = group_of.emplace(group_key, groups.size());
     if (inserted) {
       groups.push_back(Group{{}, 0, i});

@@ -84,6 +84,10 @@ struct ModuleInfo {
   int64_t parameters = 0;
   /// True for containers of repeated children (ModuleList, Sequential).
   bool is_container = false;
+  /// Names of the classes `type` derives from, nearest first (Module itself
+  /// left out): a layer subclassed to change one block still repeats its
+  /// siblings (Note [Choosing repeated blocks]).
+  std::vector<std::string> bases;
 };
 
 /// The modules graphed.auto captures by default: the largest repeated blocks.
@@ -92,7 +96,11 @@ struct ModuleInfo {
 /// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 /// Repeated blocks are the children of one container (ModuleList, Sequential)
 /// that share a class with at least one sibling: a transformer's layers, a
-/// residual MLP's blocks. Each such group is a candidate; candidates are
+/// residual MLP's blocks. A child whose own class has no sibling joins the
+/// siblings of its nearest base class, so that one layer replaced by a
+/// subclass (a block with logging, say) is still managed with the others,
+/// and if it cannot be captured it is counted as a fallback rather than
+/// silently left out. Each such group is a candidate; candidates are
 /// taken by the parameters they cover, largest first, skipping any that
 /// nests within or contains one already taken, so that a model's layers win
 /// over the Linear layers inside each of them and an encoder and a decoder

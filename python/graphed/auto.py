@@ -167,11 +167,15 @@ def _eager_forward(module: nn.Module):
 
 
 def _module_infos(model: nn.Module) -> List[tuple]:
+    """(name, class name, parameters, is_container, base class names nearest
+    first) per module, as graphed::ModuleInfo takes them."""
     infos = []
     for name, module in model.named_modules():
         parameters = sum(p.numel() for p in module.parameters())
         container = isinstance(module, (nn.ModuleList, nn.Sequential))
-        infos.append((name, type(module).__name__, parameters, container))
+        bases = [c.__name__ for c in type(module).__mro__[1:]
+                 if isinstance(c, type) and issubclass(c, nn.Module) and c is not nn.Module]
+        infos.append((name, type(module).__name__, parameters, container, bases))
     return infos
 
 

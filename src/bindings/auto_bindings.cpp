@@ -50,12 +50,15 @@ std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets
   return std::make_unique<GraphManager>(std::move(options), std::move(factories));
 }
 
-std::vector<ModuleInfo> infos_from_python(
-    const std::vector<std::tuple<std::string, std::string, int64_t, bool>>& modules) {
+// (name, class name, parameters, is_container, base class names): see
+// graphed.auto._module_infos.
+using ModuleTuple = std::tuple<std::string, std::string, int64_t, bool, std::vector<std::string>>;
+
+std::vector<ModuleInfo> infos_from_python(const std::vector<ModuleTuple>& modules) {
   std::vector<ModuleInfo> infos;
   infos.reserve(modules.size());
-  for (const auto& [name, type, parameters, is_container] : modules) {
-    infos.push_back(ModuleInfo{name, type, parameters, is_container});
+  for (const auto& [name, type, parameters, is_container, bases] : modules) {
+    infos.push_back(ModuleInfo{name, type, parameters, is_container, bases});
   }
   return infos;
 }
@@ -116,15 +119,15 @@ void register_auto(py::module_& m) {
         "Bytes in a size such as \"512MB\" or \"2GiB\".");
   m.def(
       "select_repeated_blocks",
-      [](const std::vector<std::tuple<std::string, std::string, int64_t, bool>>& modules) {
+      [](const std::vector<ModuleTuple>& modules) {
         return select_repeated_blocks(infos_from_python(modules));
       },
       py::arg("modules"),
-      "Names of the largest repeated blocks among (name, type, parameters, is_container).");
+      "Names of the largest repeated blocks among (name, type, parameters, is_container, bases).");
   m.def(
       "validate_module_selection",
       [](const std::vector<std::string>& chosen,
-         const std::vector<std::tuple<std::string, std::string, int64_t, bool>>& modules) {
+         const std::vector<ModuleTuple>& modules) {
         validate_module_selection(chosen, infos_from_python(modules));
       },
       py::arg("chosen"), py::arg("modules"),

@@ -96,6 +96,36 @@ TEST(SelectRepeatedBlocks, TakesEveryNonOverlappingGroup) {
             (std::vector<std::string>{"encoder.0", "encoder.1", "decoder.0", "decoder.1"}));
 }
 
+TEST(SelectRepeatedBlocks, TakesALayerSubclassedForOneBlockWithItsSiblings) {
+  std::vector<ModuleInfo> modules = gpt_modules(4);
+  for (ModuleInfo& module : modules) {
+    if (module.name == "blocks.2") {
+      module.type = "HostReadGPTBlock";
+      module.bases = {"GPTBlock"};
+    }
+  }
+  EXPECT_EQ(select_repeated_blocks(modules),
+            (std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2", "blocks.3"}));
+
+  // Unrelated classes with a common base keep to their own kind.
+  const std::vector<ModuleInfo> mixed{
+      {"", "Net", 0, false},
+      {"layers", "ModuleList", 0, true},
+      {"layers.0", "Attention", 40, false, {"Layer"}},
+      {"layers.1", "FeedForward", 60, false, {"Layer"}},
+      {"layers.2", "Attention", 40, false, {"Layer"}},
+      {"layers.3", "FeedForward", 60, false, {"Layer"}}};
+  EXPECT_EQ(select_repeated_blocks(mixed),
+            (std::vector<std::string>{"layers.0", "layers.1", "layers.2", "layers.3"}));
+  const std::vector<ModuleInfo> one_odd{
+      {"", "Net", 0, false},
+      {"layers", "ModuleList", 0, true},
+      {"layers.0", "Attention", 40, false, {"Layer"}},
+      {"layers.1", "Attention", 40, false, {"Layer"}},
+      {"layers.2", "FeedForward", 60, false, {"Layer"}}};
+  EXPECT_EQ(select_repeated_blocks(one_odd), (std::vector<std::string>{"layers.0", "layers.1"}));
+}
+
 TEST(SelectRepeatedBlocks, WithoutRepeatsTakesTheWholeModel) {
   const std::vector<ModuleInfo> modules{{"", "Net", 10, false}, {"fc", "Linear", 10, false},
                                         {"layers", "ModuleList", 0, true},

@@ -49,6 +49,15 @@ def test_gpt_layers_are_chosen():
     assert _C.select_repeated_blocks(infos) == [f"blocks.{i}" for i in range(6)]
 
 
+def test_a_layer_subclassed_for_one_block_is_chosen_with_the_others():
+    # Block 3 of gpt_train_blocker is a GPTBlock subclass that calls .item():
+    # chosen with its siblings, so that its fallback is counted, not hidden.
+    model, _, _ = workloads.gpt_train_blocker(device="cpu", batch=1, length=8)
+    infos = sys.modules["graphed.auto"]._module_infos(model)
+    assert infos[[i[0] for i in infos].index("blocks.3")][1:2] == ("HostReadGPTBlock",)
+    assert _C.select_repeated_blocks(infos) == [f"blocks.{i}" for i in range(6)]
+
+
 def test_a_model_without_repeats_is_captured_whole():
     model = graphed.auto(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     assert list(model.stats()["modules"]) == [""]
