@@ -225,7 +225,9 @@ std::string describe_finding(const SafetyFinding& finding) {
   if (!finding.inside.empty()) out << " inside " << finding.inside;
   const std::string where = finding.where();
   if (!where.empty()) out << " at " << where;
-  out << ": " << finding.info().why << " Fix: " << finding.info().fix;
+  const std::string_view why = finding.info().why;
+  out << ": " << why << (!why.empty() && why.back() == '.' ? "" : ".") << " Fix: "
+      << finding.info().fix;
   return out.str();
 }
 
