@@ -227,7 +227,6 @@ c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_in
     with_guards = guarded_inputs(call_inputs);
     inputs = &with_guards;
   }
-  scratch_.clear();
   // The call's inputs are not kept past it (their memory would stay pinned).
   const auto release_inputs = c10::make_scope_exit([this] { scratch_.clear(); });
   if (!signature_.collect_tensors(*inputs, scratch_)) {

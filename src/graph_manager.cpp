@@ -1044,12 +1044,18 @@ c10::IValue GraphManager::call(size_t index, const std::vector<c10::IValue>& inp
 std::optional<BucketPlan> GraphManager::plan_buckets(const std::vector<c10::IValue>& inputs,
                                                      std::vector<at::Tensor>& tensors,
                                                      std::string* why) const {
+  if (options_.buckets.empty()) {
+    // The replay path: no input paths to build, they only name uncovered sizes.
+    for (const c10::IValue& input : inputs) {
+      for_each_tensor(input, [&](const at::Tensor& tensor) { tensors.push_back(tensor); });
+    }
+    return BucketPlan();
+  }
   std::vector<std::string> paths;
   for (size_t i = 0; i < inputs.size(); ++i) {
     collect(inputs[i], i < 2 ? (i == 0 ? "args" : "kwargs") : c10::str("inputs[", i, "]"),
             tensors, paths);
   }
-  if (options_.buckets.empty()) return BucketPlan();
   std::vector<c10::IntArrayRef> sizes;
   sizes.reserve(tensors.size());
   for (const at::Tensor& tensor : tensors) sizes.push_back(tensor.sizes());
@@ -1115,13 +1121,13 @@ void GraphManager::capture_training_group(Module& trigger) {
   std::vector<int64_t> renumbered(plan.modules.size() + 1, 0);
   for (size_t i = 0; i < plan.modules.size(); ++i) {
     Module& module = *modules_[plan.modules[i]];
+    if (module.blocked || !module.slots.empty()) {
+      continue;  // fell back or captured since its warm-up
+    }
     std::vector<at::Tensor> tensors;
     std::string why;
     const std::optional<BucketPlan> buckets =
         plan_buckets(samples[module.index], tensors, &why);
-    if (module.blocked || !module.slots.empty()) {
-      continue;  // fell back or captured since its warm-up
-    }
     if (!buckets || buckets->pads()) {
       group.left_out.push_back(c10::str(shown(module.spec.name), ": ",
                                         buckets ? "its inputs would be padded to a bucket, "
@@ -1274,21 +1280,15 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
   if (!slot->entry) {
     return fall_back(module, slot->failure, inputs);
   }
-  ++counters_.replays;
-  ++module.replays;
-  ++slot->replays;
+  c10::IValue out;
   ++depth_;
   try {
-    c10::IValue out = slot->entry->run(inputs, plan);
+    out = slot->entry->run(inputs, plan);
     --depth_;
-    return out;
   } catch (const ReplayOrderError&) {
     --depth_;
     // Nothing ran: the call can run eagerly without touching the pending
     // backwards (Note [Training graphs captured together]).
-    --counters_.replays;
-    --module.replays;
-    --slot->replays;
     if (options_.fallback == FallbackPolicy::kRaise) throw;
     // One reason for every such call (the error's positions vary), so that
     // stats() counts them together.
@@ -1301,6 +1301,10 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     --depth_;
     throw;
   }
+  ++counters_.replays;
+  ++module.replays;
+  ++slot->replays;
+  return out;
 }
 
 GraphManagerStats GraphManager::stats() const {

@@ -427,7 +427,6 @@ c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
   // through their autograd history, the caller's last autograd graph, whose
   // AccumulateGrad nodes a later capture must not find alive (Note [Gradient
   // accumulators on the capture stream]).
-  scratch_.clear();
   const auto release_inputs = c10::make_scope_exit([this] { scratch_.clear(); });
   if (!pair.signature.collect_tensors(inputs, scratch_)) {
     std::ostringstream message;

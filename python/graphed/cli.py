@@ -182,14 +182,20 @@ def _run_advise(spec: str, as_json: bool, plot: Optional[str], out: TextIO, err:
                              predicted_trace(advice.trace, cost["per_node_us"], cost["launch_us"]))],
                      f"graphed advise: {advice.description}")
     progress.close()
+    _emit(advice, spec, plot, as_json, out)
+    return 0
+
+
+def _emit(result, spec: str, plot: Optional[str], as_json: bool, out: TextIO) -> None:
+    """Prints an advice or optimize report: JSON (with the factory and the
+    plot's path) or text followed by the plot's path."""
     if as_json:
-        json.dump({"factory": spec, **advice.to_dict(), "plot": plot}, out, indent=2)
+        json.dump({"factory": spec, **result.to_dict(), "plot": plot}, out, indent=2)
         print(file=out)
     else:
-        print(advice, file=out)
+        print(result, file=out)
         if plot:
             print(f"\nTimeline: {plot}", file=out)
-    return 0
 
 
 def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
@@ -222,13 +228,7 @@ def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
         timeline_png(plot, [("eager", report.advice.trace), ("graphed", report.graphed_trace)],
                      f"graphed optimize: {report.description}")
     progress.close()
-    if as_json:
-        json.dump({"factory": spec, **report.to_dict(), "plot": plot}, out, indent=2)
-        print(file=out)
-    else:
-        print(report, file=out)
-        if plot:
-            print(f"\nTimeline: {plot}", file=out)
+    _emit(report, spec, plot, as_json, out)
     return 0 if report.applied else 1
 
 

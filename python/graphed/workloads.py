@@ -120,22 +120,15 @@ def gpt_train(device: str = "cuda", batch: int = 8, length: int = 128,
     return model, tokens, targets
 
 
-class DecodeBlock(nn.Module):
-    """One decode step of a pre-LayerNorm block: the single query of each
+class DecodeBlock(GPTBlock):
+    """One decode step of a GPTBlock (same layers): the single query of each
     sequence attends to fixed K and V caches of length 512 (sliced to the
     batch), then a 4x GELU MLP; both with residuals. Only q of the qkv Linear
     is used, as in DESIGN.md's decode workload."""
 
     def __init__(self, width: int, heads: int, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 4 * width)
-        self.fc2 = nn.Linear(4 * width, width)
+        super().__init__(width, heads)
         # Views of the model's cache buffers, [max_batch, heads, length, head_dim].
         # Plain attributes, not buffers: they are the model's state (its
         # state_dict holds them once) and the block only reads them.
