@@ -6,6 +6,9 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # The torch to install where none is (CPU machines); the GPU machines bring their own.
 TORCH_PIN ?= torch==2.14.1
+# Libraries whose models the tests run graphed on (optional for users); the
+# torchvision that matches TORCH_PIN, the transformers the GPU machine has.
+MODEL_LIBRARIES ?= transformers==5.17.0 timm torchvision==0.29.1
 BUILD_DIR := build/py
 PIP_BUILD := $(PIP) install --no-build-isolation --no-deps -C build-dir=$(BUILD_DIR)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -22,6 +25,8 @@ deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
 	@$(PYTHON) -c "import scikit_build_core, pytest, numpy" 2>/dev/null || \
 		$(PIP) install "scikit-build-core>=0.10" pytest numpy
+	@$(PYTHON) -c "import transformers, timm, torchvision" 2>/dev/null || \
+		$(PIP) install $(MODEL_LIBRARIES)
 	@command -v cmake >/dev/null && command -v ninja >/dev/null || $(PIP) install cmake ninja
 	@[ -f /usr/src/googletest/CMakeLists.txt ] || [ -n "$$GRAPHED_GTEST_SOURCE_DIR" ] || \
 		$(SUDO) apt-get install -y -q libgtest-dev >/dev/null || \

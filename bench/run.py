@@ -31,12 +31,20 @@ WORKLOADS["decode"] = decode.run
 WORKLOADS["graph_update"] = graph_update.run
 WORKLOADS["gpt_train_blocker"] = gpt_train.run_blocker
 
+# Real models (transformers, timm, torchvision)
+import zoo  # noqa: E402
+
+WORKLOADS["zoo"] = zoo.run
+
 
 def markdown(results) -> str:
     lines = []
     for name, workload in results["workloads"].items():
         if "error" in workload:
             lines.append(f"### {name}: FAILED\n\n```\n{workload['error']}\n```\n")
+            continue
+        if "models" in workload:
+            lines.append(zoo.markdown(workload))
             continue
         if "host_us" in workload:
             lines.append(f"### {name}\n\n| case | host us per call |\n|---|---:|")

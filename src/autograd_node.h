@@ -11,6 +11,7 @@
 // at hand, so make_node picks the matching factory at compile time.
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <memory>
 #include <type_traits>
@@ -28,6 +29,35 @@ auto make_node(Args&&... args) {
   } else {
     return c10::make_intrusive<NodeType>(std::forward<Args>(args)...);
   }
+}
+
+template <typename Strong>
+auto no_accumulator(const Strong& /*names autograd's owning pointer type*/) {
+  if constexpr (std::is_same_v<Strong, std::shared_ptr<torch::autograd::Node>>) {
+    return std::weak_ptr<torch::autograd::Node>();
+  } else {
+    return c10::weak_intrusive_ptr<torch::autograd::Node>(Strong());
+  }
+}
+
+// Detaches `parameter` from its live AccumulateGrad node when that node was
+// created on a stream other than `capture` and has no hooks of its own (a
+// node kept alive by the user's previous loss, not DistributedDataParallel's);
+// warm-up on the capture stream then creates a fresh one there. Returns true
+// when it did. See Note [Gradient accumulators on the capture stream] in
+// graphed_callable.cpp.
+inline bool detach_stale_gradient_accumulator(const at::Tensor& parameter, c10::Stream capture) {
+  if (!parameter.defined() || !parameter.requires_grad() || !parameter.is_leaf()) {
+    return false;
+  }
+  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(parameter);
+  if (!accumulator || accumulator->num_inputs() == 0 ||
+      accumulator->input_metadata(0).stream() == capture || !accumulator->pre_hooks().empty() ||
+      !accumulator->post_hooks().empty()) {
+    return false;
+  }
+  torch::autograd::impl::set_grad_accumulator(parameter, no_accumulator(accumulator));
+  return true;
 }
 
 }  // namespace graphed::detail

@@ -60,6 +60,40 @@ const BlockerInfo& blocker_info(BlockerKind kind) {
   GRAPHED_INTERNAL_ASSERT(false, "no catalogue entry for blocker kind ", static_cast<int>(kind));
 }
 
+std::string_view severity_label(FindingSeverity severity) {
+  switch (severity) {
+    case FindingSeverity::kBreaksCapture: return "breaks capture";
+    case FindingSeverity::kSpoilsReplay: return "spoils replay";
+    case FindingSeverity::kHarmless: return "harmless";
+  }
+  GRAPHED_INTERNAL_ASSERT(false, "no label for severity ", static_cast<int>(severity));
+}
+
+std::string_view severity_name(FindingSeverity severity) {
+  switch (severity) {
+    case FindingSeverity::kBreaksCapture: return "breaks_capture";
+    case FindingSeverity::kSpoilsReplay: return "spoils_replay";
+    case FindingSeverity::kHarmless: return "harmless";
+  }
+  GRAPHED_INTERNAL_ASSERT(false, "no name for severity ", static_cast<int>(severity));
+}
+
+FindingSeverity default_severity(BlockerKind kind) {
+  switch (kind) {
+    case BlockerKind::kCpuTensor:
+    case BlockerKind::kUnregisteredGenerator:
+    case BlockerKind::kAutocastCache:
+      return FindingSeverity::kSpoilsReplay;
+    case BlockerKind::kHostRead:
+    case BlockerKind::kDataDependentShape:
+    case BlockerKind::kExplicitSync:
+    case BlockerKind::kHostDeviceCopy:
+    case BlockerKind::kOther:
+      return FindingSeverity::kBreaksCapture;
+  }
+  GRAPHED_INTERNAL_ASSERT(false, "no severity for blocker kind ", static_cast<int>(kind));
+}
+
 std::string_view blocker_kind_name(BlockerKind kind) {
   switch (kind) {
     case BlockerKind::kHostRead: return "host_read";

@@ -753,6 +753,9 @@ struct GraphManager::Module {
   // The inputs of its last warm-up call in training mode, until a training
   // group is planned (Note [Training graphs captured together]).
   std::optional<std::vector<c10::IValue>> training_sample;
+  // Findings of the warm-up check that a capture decides (CaptureVerdict::
+  // kTryCapture): false findings once a graph of the module replays.
+  std::vector<std::string> unconfirmed_findings;
 };
 
 GraphManager::GraphManager(GraphManagerOptions options, GraphEntryFactories factories)
@@ -872,7 +875,12 @@ c10::IValue GraphManager::run_warmup(Module& module, const std::vector<c10::IVal
     throw;
   }
   after.restore();
-  if (!report.empty()) {
+  // See Note [Capture is the verdict] in safety_check.cpp.
+  if (capture_verdict(report) == CaptureVerdict::kTryCapture) {
+    for (const SafetyFinding& finding : report.findings()) {
+      module.unconfirmed_findings.push_back(describe_finding(finding));
+    }
+  } else if (!report.empty()) {
     const std::string reason = describe_finding(report.findings().front());
     module.blocked = reason;
     if (options_.fallback == FallbackPolicy::kRaise) {
@@ -1244,6 +1252,15 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     }
     return output;
   }
+  if (std::optional<std::string> stateful =
+          find_stateful_host_object(inputs, input_names(inputs.size()))) {
+    // See Note [Host objects holding tensors] in signature.cpp.
+    return fall_back(module, c10::str(*stateful, " is a host object holding tensors or state "
+                                      "the module updates (a key/value cache): a graph would "
+                                      "neither see nor update it, so the call ran eagerly. For a "
+                                      "transformers model, pass use_cache=False"),
+                     inputs);
+  }
   if (mode == CallMode::kTraining && !factories_.training) {
     // INTEGRATION POINT, see Note [Training entries]: until the training
     // factory (forward and backward graphs) is plugged in, training calls run
@@ -1320,6 +1337,11 @@ GraphManagerStats GraphManager::stats() const {
                                                            : "graphed";
     stats.calls = module->calls;
     stats.replays = module->replays;
+    if (!module->blocked && module->replays > 0) {
+      for (const std::string& finding : module->unconfirmed_findings) {
+        out.check_false_findings.push_back(FallbackStats{module->spec.name, finding, 1});
+      }
+    }
     for (const auto& slot : module->slots) {
       if (slot->entry) {
         ++stats.graphs;

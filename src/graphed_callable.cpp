@@ -322,9 +322,20 @@ void check_no_autocast_cache() {
 // cannot wait for a capturing stream: CUDA rejects the capture ("operation
 // would make the legacy stream depend on a capturing blocking stream").
 // AccumulateGrad nodes normally die with the autograd graph that made them and
-// warm-up creates fresh ones on the capture stream, but DistributedDataParallel
-// keeps them alive from its construction. Such a parameter is refused before
-// any warm-up, with the fix (build DDP on graphed's capture stream).
+// warm-up creates fresh ones on the capture stream. Two things keep one alive:
+//  - The user's previous loss. The everyday loop `loss = model(x).loss;
+//    loss.backward()` still holds last step's loss, and with it last step's
+//    autograd graph (its buffers freed by backward, its nodes not), while the
+//    next forward runs, which is when graphed.auto captures. Such a node has
+//    no hooks of its own (a tensor's hooks live on the tensor, and
+//    AccumulateGrad reads them from there) and accumulates into its own
+//    variable whoever points at it, so the parameter is simply detached from
+//    it (set_grad_accumulator to nothing) and warm-up creates a fresh one on
+//    the capture stream. Nothing the user can observe changes.
+//  - DistributedDataParallel, which keeps them from its construction and
+//    hangs its all-reduce hooks on them. Such a node must stay the
+//    parameter's, so the parameter is refused before any warm-up, with the
+//    fix (build DDP on graphed's capture stream).
 void check_gradient_accumulators(const std::vector<std::shared_ptr<GraphPair>>& pairs,
                                  const c10::cuda::CUDAStream& capture) {
   for (const auto& pair : pairs) {
@@ -332,6 +343,9 @@ void check_gradient_accumulators(const std::vector<std::shared_ptr<GraphPair>>& 
       const auto accumulator =
           torch::autograd::impl::try_get_grad_accumulator(pair->grad_parameters[i]);
       if (!accumulator || accumulator->num_inputs() == 0) {
+        continue;
+      }
+      if (detach_stale_gradient_accumulator(pair->grad_parameters[i], capture)) {
         continue;
       }
       const c10::Stream found = accumulator->input_metadata(0).stream();

@@ -9,6 +9,7 @@
 #include <ATen/record_function.h>
 #include <c10/cuda/CUDAFunctions.h>
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <mutex>
@@ -77,6 +78,38 @@ namespace graphed {
 // Operators called by the user's program, or by autograd for a backward node,
 // are judged on their own.
 
+// Note [Checking the path taken under capture]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Libraries that know about graphs ask torch.cuda.is_current_stream_capturing()
+// and take another branch while a stream captures: transformers' attention
+// masks skip their `torch.all(mask == 1)` shortcut (a host read) under
+// capture. An eager pass would report the branch a capture never takes. So
+// while a pass runs, the host language answers that question as a capture
+// would (True) for every caller outside torch itself, whose own uses of it
+// (an optimizer's capture health check) must see the truth. The check then
+// walks the path a capture walks, and what it reports is what a capture meets.
+
+// Note [Capture is the verdict]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The check runs eagerly, so it is a diagnosis, not the ground truth: a
+// trial capture is, and graphed's captures are recoverable (a failed one
+// changes nothing). capture_verdict() says when the check alone may decide:
+//  - Nothing found (harmless findings aside): capture.
+//  - A finding that spoils replay: blocked, wherever it is. A capture would
+//    succeed, so only the check sees it.
+//  - Findings that break capture, all in the user's own code: blocked. They
+//    are on the path a capture takes (Note [Checking the path taken under
+//    capture]), the capture would fail on the first, and the check's report
+//    names every one with its line.
+//  - Findings without a source line (autograd's backward threads run no
+//    Python; a LibTorch program installs no locator): blocked, as the check
+//    cannot say whose code they are in.
+//  - Otherwise every finding lies inside installed packages, which the user
+//    cannot edit and which may depend on state the eager pass saw
+//    differently: try the capture; CUDA refuses what really breaks it, and
+//    the caller verifies the result against eager. What the check found and
+//    the capture never met is then reported as a false finding.
+
 namespace {
 
 // An operator or autograd node running on this thread.
@@ -113,18 +146,23 @@ class Recorder {
     std::lock_guard<std::mutex> lock(mutex_);
     const bool ran_on_gpu = ran_on_gpu_.load();
     std::vector<SafetyFinding> kept;
+    std::vector<SafetyFinding> harmless;
     for (SafetyFinding& finding : findings_) {
       // See Note [Checking on CPU tensors].
-      if (!(ran_on_gpu && finding.predicted)) {
-        kept.push_back(std::move(finding));
+      if (ran_on_gpu && finding.predicted) {
+        continue;
       }
+      // See Note [Finding severity] in capture_blockers.h.
+      (finding.severity == FindingSeverity::kHarmless ? harmless : kept)
+          .push_back(std::move(finding));
     }
-    return SafetyReport(std::move(description), std::move(kept), ran_on_gpu, operators_.load());
+    return SafetyReport(std::move(description), std::move(kept), std::move(harmless), ran_on_gpu,
+                        operators_.load());
   }
 
  private:
   static bool same_place(const SafetyFinding& a, const SafetyFinding& b) {
-    if (a.kind != b.kind || a.predicted != b.predicted) {
+    if (a.kind != b.kind || a.predicted != b.predicted || a.severity != b.severity) {
       return false;
     }
     if (a.kind == BlockerKind::kAutocastCache) {
@@ -248,6 +286,7 @@ SafetyFinding finding(BlockerKind kind, const OperatorCall& call, std::string de
   result.inputs = describe_tensors(call.tensors);
   result.detail = std::move(detail);
   result.predicted = predicted;
+  result.severity = default_severity(kind);
   return result;
 }
 
@@ -301,6 +340,25 @@ std::optional<SafetyFinding> host_dependency(const OperatorCall& call) {
   return finding(*kind, call, std::move(detail), /*predicted=*/!call.on_gpu);
 }
 
+// A copy between host and device memory. How it affects a capture depends
+// on the bytes and the host memory: see Note [Finding severity].
+SafetyFinding copy_finding(const OperatorCall& call, const at::Tensor& source,
+                           c10::Device destination, const at::Tensor& host_side_candidate) {
+  SafetyFinding found = finding(BlockerKind::kHostDeviceCopy, call,
+                                c10::str("copies ", source.device(), " to ", destination), false);
+  const at::Tensor& host = source.is_cpu() ? source : host_side_candidate;
+  if (source.numel() == 0) {
+    found.severity = FindingSeverity::kHarmless;
+    found.detail += " (zero bytes: no transfer)";
+  } else if (host.is_cpu() && host.is_pinned()) {
+    // A pinned buffer is recorded by address: replays read or write it as it
+    // is then, not as it was at capture.
+    found.severity = FindingSeverity::kSpoilsReplay;
+    found.detail += " (pinned host memory: the graph keeps its address)";
+  }
+  return found;
+}
+
 std::optional<SafetyFinding> host_device_copy(const OperatorCall& call) {
   const auto& inputs = call.inputs;
   if (inputs.empty() || !inputs[0].isTensor() || !inputs[0].toTensor().defined()) {
@@ -308,10 +366,9 @@ std::optional<SafetyFinding> host_device_copy(const OperatorCall& call) {
   }
   const c10::Device source_or_destination = inputs[0].toTensor().device();
   if (call.name == "aten::copy_" && inputs.size() >= 2 && inputs[1].isTensor()) {
-    const c10::Device source = inputs[1].toTensor().device();
-    if (crosses_host_and_device(source, source_or_destination)) {
-      return finding(BlockerKind::kHostDeviceCopy, call,
-                     c10::str("copies ", source, " to ", source_or_destination), false);
+    const at::Tensor& source = inputs[1].toTensor();
+    if (crosses_host_and_device(source.device(), source_or_destination)) {
+      return copy_finding(call, source, source_or_destination, inputs[0].toTensor());
     }
     return std::nullopt;
   }
@@ -328,8 +385,7 @@ std::optional<SafetyFinding> host_device_copy(const OperatorCall& call) {
     target = inputs[1].toTensor().device();  // x.to(other)
   }
   if (target && crosses_host_and_device(source_or_destination, *target)) {
-    return finding(BlockerKind::kHostDeviceCopy, call,
-                   c10::str("copies ", source_or_destination, " to ", *target), false);
+    return copy_finding(call, inputs[0].toTensor(), *target, inputs[0].toTensor());
   }
   return std::nullopt;
 }
@@ -519,6 +575,21 @@ class ObservedPass {
   at::CallbackHandle callback_handle_ = 0;
 };
 
+std::mutex& wrapper_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+CheckPassWrapper& installed_wrapper_slot() {
+  static CheckPassWrapper wrapper;
+  return wrapper;
+}
+
+CheckPassWrapper installed_wrapper() {
+  std::lock_guard<std::mutex> lock(wrapper_mutex());
+  return installed_wrapper_slot();
+}
+
 }  // namespace
 
 std::string SafetyFinding::where() const {
@@ -527,10 +598,23 @@ std::string SafetyFinding::where() const {
 
 SafetyReport::SafetyReport(std::string description, std::vector<SafetyFinding> findings,
                            bool ran_on_gpu, int64_t operators_observed)
+    : SafetyReport(std::move(description), std::move(findings), {}, ran_on_gpu,
+                   operators_observed) {}
+
+SafetyReport::SafetyReport(std::string description, std::vector<SafetyFinding> findings,
+                           std::vector<SafetyFinding> harmless, bool ran_on_gpu,
+                           int64_t operators_observed)
     : description_(std::move(description)),
       findings_(std::move(findings)),
+      harmless_(std::move(harmless)),
       ran_on_gpu_(ran_on_gpu),
       operators_observed_(operators_observed) {}
+
+bool SafetyReport::spoils_replay() const {
+  return std::any_of(findings_.begin(), findings_.end(), [](const SafetyFinding& finding) {
+    return finding.severity == FindingSeverity::kSpoilsReplay;
+  });
+}
 
 std::string SafetyReport::to_string() const {
   std::ostringstream out;
@@ -549,7 +633,8 @@ std::string SafetyReport::to_string() const {
   for (size_t i = 0; i < findings_.size(); ++i) {
     const SafetyFinding& finding = findings_[i];
     const BlockerInfo& info = finding.info();
-    out << "\n\n" << i + 1 << ". " << info.label << ": `" << finding.op << "`";
+    out << "\n\n" << i + 1 << ". " << info.label << " (" << severity_label(finding.severity)
+        << "): `" << finding.op << "`";
     if (!finding.inside.empty()) {
       out << " (inside `" << finding.inside << "`)";
     }
@@ -566,6 +651,16 @@ std::string SafetyReport::to_string() const {
     }
     out << "\n   why:    " << info.why;
     out << "\n   fix:    " << info.fix;
+  }
+  if (!harmless_.empty()) {
+    out << "\n\nNot counted (harmless, see Note [Finding severity]): ";
+    for (size_t i = 0; i < harmless_.size(); ++i) {
+      const SafetyFinding& finding = harmless_[i];
+      const std::string where = finding.where();
+      out << (i == 0 ? "" : "; ") << "`" << finding.op << "`"
+          << (where.empty() ? "" : " at " + where) << ": " << finding.detail;
+    }
+    out << ".";
   }
   if (!ran_on_gpu_) {
     out << "\n\nThis pass ran on CPU tensors only: it reports what would break once they live on "
@@ -585,9 +680,20 @@ SafetyReport check_safety(const std::function<void()>& run_once,
   }
   const StateSnapshot snapshot = StateSnapshot::take(options.state, cuda_device);
   Recorder recorder;
+  const CheckPassWrapper wrapper = installed_wrapper();
   try {
     ObservedPass pass(recorder);
-    run_once();
+    if (wrapper) {
+      bool ran = false;
+      wrapper([&] {
+        GRAPHED_INTERNAL_ASSERT(!ran, "a check pass wrapper ran the pass twice");
+        ran = true;
+        run_once();
+      });
+      GRAPHED_INTERNAL_ASSERT(ran, "a check pass wrapper did not run the pass");
+    } else {
+      run_once();
+    }
   } catch (...) {
     snapshot.restore();
     throw;
@@ -596,8 +702,33 @@ SafetyReport check_safety(const std::function<void()>& run_once,
   return recorder.report(options.description);
 }
 
+CaptureVerdict capture_verdict(const SafetyReport& report) {
+  if (report.empty()) {
+    return CaptureVerdict::kClean;
+  }
+  if (report.spoils_replay()) {
+    return CaptureVerdict::kBlocked;
+  }
+  for (const SafetyFinding& finding : report.findings()) {
+    if (!finding.in_installed_package()) {
+      return CaptureVerdict::kBlocked;
+    }
+  }
+  return CaptureVerdict::kTryCapture;
+}
+
+std::string_view capture_verdict_name(CaptureVerdict verdict) {
+  switch (verdict) {
+    case CaptureVerdict::kClean: return "clean";
+    case CaptureVerdict::kTryCapture: return "try_capture";
+    case CaptureVerdict::kBlocked: return "blocked";
+  }
+  GRAPHED_INTERNAL_ASSERT(false, "no name for capture verdict ", static_cast<int>(verdict));
+}
+
 bool record_host_blocker(BlockerKind kind, std::string_view call,
-                         const std::vector<at::Tensor>& tensors, std::string detail) {
+                         const std::vector<at::Tensor>& tensors, std::string detail,
+                         std::optional<FindingSeverity> severity) {
   Recorder* recorder = active_recorder.load(std::memory_order_acquire);
   if (recorder == nullptr || quiet_depth > 0) {
     return false;  // No check, or inside a host call recorded already.
@@ -613,21 +744,33 @@ bool record_host_blocker(BlockerKind kind, std::string_view call,
   found.detail = std::move(detail);
   // See Note [Checking on CPU tensors]; a sync acts on no tensor and is real anywhere.
   found.predicted = !tensors.empty() && !on_gpu;
+  found.severity = severity.value_or(default_severity(kind));
   found.location = innermost_user_frame();
   recorder->add(std::move(found));
   return true;
 }
 
-bool record_tensor_from_host_data(std::string_view call, c10::Device target) {
+bool record_tensor_from_host_data(std::string_view call, c10::Device target, int64_t elements) {
   if (!target.is_cuda()) {
     // A CPU tensor from host data is host work; if it meets GPU work later,
     // that operator is reported (kCpuTensor, kHostDeviceCopy).
     return false;
   }
+  if (elements == 0) {
+    return record_host_blocker(BlockerKind::kHostDeviceCopy, call, {},
+                               c10::str("builds an empty tensor on ", target,
+                                        " from host data (zero bytes: no transfer)"),
+                               FindingSeverity::kHarmless);
+  }
   return record_host_blocker(BlockerKind::kHostDeviceCopy, call, {},
                              c10::str("builds a tensor on ", target,
                                       " from host data (a Python list or number, a NumPy array) "
                                       "on every call"));
+}
+
+void set_check_pass_wrapper(CheckPassWrapper wrapper) {
+  std::lock_guard<std::mutex> lock(wrapper_mutex());
+  installed_wrapper_slot() = std::move(wrapper);
 }
 
 QuietOperatorsGuard::QuietOperatorsGuard() { ++quiet_depth; }

@@ -137,6 +137,59 @@ std::string describe_value(const c10::IValue& value) {
   return out.str();
 }
 
+// Note [Host objects holding tensors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A graph sees the tensors of its inputs; a host-language object among them
+// (transformers' DynamicCache, passed to every layer of a causal LM) is a
+// constant of the signature, compared by identity. When the module reads or
+// updates tensors inside it (a cache appends this step's keys), a replay
+// would neither read the new ones nor append: silently wrong results. The
+// host language says which objects hold such state (its
+// PyObjectHolder::extractTensors lists their tensors, and names caches that
+// are still empty); such inputs are refused for capture, and graphed.auto
+// runs those calls eagerly with the reason.
+namespace {
+
+std::optional<std::string> find_stateful(const c10::IValue& value, const std::string& path) {
+  if (value.isPyObject()) {
+    const auto holder = value.toPyObjectHolder();
+    if (!holder->extractTensors().empty()) {
+      std::string text = holder->toStr();
+      constexpr size_t kShown = 80;
+      if (text.size() > kShown) text = text.substr(0, kShown) + "...";
+      return c10::str(path, " (", text, ")");
+    }
+    return std::nullopt;
+  }
+  if (value.isTuple()) {
+    const auto& elements = value.toTupleRef().elements();
+    for (size_t i = 0; i < elements.size(); ++i) {
+      if (auto found = find_stateful(elements[i], index_path(path, i))) return found;
+    }
+  } else if (value.isList()) {
+    const auto list = value.toListRef();
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (auto found = find_stateful(list[i], index_path(path, i))) return found;
+    }
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      if (auto found = find_stateful(entry.value(), child_path(path, entry.key()))) return found;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> find_stateful_host_object(const std::vector<c10::IValue>& inputs,
+                                                     const std::vector<std::string>& input_names) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::string name = i < input_names.size() ? input_names[i] : c10::str("inputs[", i, "]");
+    if (auto found = find_stateful(inputs[i], name)) return found;
+  }
+  return std::nullopt;
+}
+
 bool constants_equal(const c10::IValue& a, const c10::IValue& b) {
   if (a.tagKind() != b.tagKind()) {
     return false;
@@ -214,6 +267,15 @@ void Signature::record(const c10::IValue& value, const std::string& path) {
       record(dict.at(key), child_path(path, key));
     }
     return;
+  }
+  if (value.isPyObject()) {
+    // See Note [Host objects holding tensors].
+    const std::optional<std::string> stateful = find_stateful(value, path);
+    GRAPHED_CHECK(!stateful, "Expected the inputs of a graph to hold their tensors in tuples, "
+                  "lists and dicts, but ", *stateful, " is a host object holding tensors or state "
+                  "the function updates: a replay would neither see nor update them. Pass the "
+                  "tensors themselves, or leave that object out of the captured call (for a "
+                  "transformers model, use_cache=False).");
   }
   node.kind = NodeKind::kConstant;
   node.constant = value;

@@ -36,6 +36,12 @@ std::vector<SourceFrame> current_source_stack() {
   return locator ? locator->current_stack() : std::vector<SourceFrame>{};
 }
 
+bool is_installed_package_file(const std::string& file) {
+  return file.find("/site-packages/") != std::string::npos ||
+         file.find("/dist-packages/") != std::string::npos ||
+         file.find("\\site-packages\\") != std::string::npos;
+}
+
 std::string describe_user_frame(const std::vector<SourceFrame>& frames) {
   for (const SourceFrame& frame : frames) {
     if (frame.is_user_code) {

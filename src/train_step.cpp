@@ -1,5 +1,7 @@
 #include "graphed/train_step.h"
 
+#include "autograd_node.h"
+
 #include "graphed/check.h"
 #include "graphed/static_io.h"
 
@@ -207,6 +209,14 @@ TrainStep::TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_bat
                   describe_value(result), ". Return the loss tensor itself (not loss.item()).");
     return c10::IValue(result.toTensor().detach());
   };
+  // A loss of an eager step before this one may still hold the parameters'
+  // gradient accumulators (Note [Gradient accumulators on the capture stream]).
+  for (const at::Tensor& tensor : options_.state) {
+    if (tensor.defined() && tensor.is_cuda()) {
+      (void)detail::detach_stale_gradient_accumulator(tensor,
+                                                      capture_stream(tensor.device().index()));
+    }
+  }
   CaptureOptions capture_options;
   capture_options.warmup_iters = options_.warmup_iters;
   capture_options.pool = options_.pool;

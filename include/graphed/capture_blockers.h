@@ -36,6 +36,46 @@ enum class BlockerKind {
   kOther,
 };
 
+/// What a finding of the safety check does to a capture.
+///
+/// Note [Finding severity]
+/// ~~~~~~~~~~~~~~~~~~~~~~~
+/// The check runs the function eagerly, and not everything it sees there
+/// matters to a graph. A finding breaks capture when CUDA refuses to record
+/// it (a host read, a data-dependent shape, a sync, a copy from pageable host
+/// memory): the capture fails and says so, nothing goes wrong silently. It
+/// spoils replay when the capture succeeds but replays are wrong: a value or a
+/// host address is frozen into the graph (a CPU tensor in GPU work, a pinned
+/// host buffer, an unregistered generator, the autocast weight cache); these
+/// are the dangerous ones, since only a check can see them. It is harmless
+/// when it does neither: a copy of zero bytes (`torch.tensor([])` moved to the
+/// GPU: transformers' caches start so) issues no transfer at all. Harmless
+/// findings are kept apart from the report's findings (SafetyReport::harmless)
+/// so that a clean report means a clean capture.
+enum class FindingSeverity {
+  /// CUDA refuses to record it: the capture fails with an error.
+  kBreaksCapture,
+  /// The capture succeeds but a value or host buffer is frozen into the
+  /// graph, so replays can compute with stale data.
+  kSpoilsReplay,
+  /// Neither (a copy of zero bytes, say).
+  kHarmless,
+};
+
+/// "breaks capture", "spoils replay" or "harmless".
+std::string_view severity_label(FindingSeverity severity);
+
+/// "breaks_capture", "spoils_replay" or "harmless": the stable identifier for
+/// programs (JSON reports, the Python API).
+std::string_view severity_name(FindingSeverity severity);
+
+/// The severity of a finding of `kind` with no further detail: host reads,
+/// data-dependent shapes, syncs, host-device copies and `kOther` break
+/// capture; CPU tensors in GPU work, unregistered generators and the autocast
+/// cache spoil replay. The safety check refines it from what it saw (a copy of
+/// zero bytes is harmless, a copy from pinned memory spoils replay).
+FindingSeverity default_severity(BlockerKind kind);
+
 /// The explanation of one blocker kind.
 struct BlockerInfo {
   /// The kind this entry explains.

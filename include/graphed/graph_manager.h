@@ -297,8 +297,11 @@ struct GraphManagerOptions {
   /// See FallbackPolicy.
   FallbackPolicy fallback = FallbackPolicy::kEager;
   /// Run the last warm-up call of each module under check_safety: a module
-  /// with an operation that breaks capture falls back without a failed
-  /// capture, and the reason names the operation and its source line.
+  /// with an operation that breaks capture in the user's code, or one that
+  /// spoils replay anywhere, falls back without a failed capture, and the
+  /// reason names the operation and its source line. Findings a capture may
+  /// never meet (inside installed packages) are left to the capture (Note
+  /// [Capture is the verdict] in safety_check.cpp).
   bool check_blockers = true;
   /// Eager runs on the capture stream before each capture (>= 1).
   int capture_warmup_iters = 1;
@@ -389,6 +392,11 @@ struct GraphManagerStats {
   std::vector<FallbackStats> fallbacks;
   /// Training graphs captured together, in order of capture.
   std::vector<TrainingGroupStats> training_groups;
+  /// Findings of the warm-up check inside installed packages that a capture
+  /// never met: the module captured and replays
+  /// (Note [Capture is the verdict] in safety_check.cpp). `reason` holds the
+  /// finding; `count` is 1.
+  std::vector<FallbackStats> check_false_findings;
 };
 
 /// Automatic capture of modules; see the file comment.

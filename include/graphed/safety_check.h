@@ -48,11 +48,18 @@ struct SafetyFinding {
   bool predicted = false;
   /// How many times it happened at this place.
   int64_t count = 1;
+  /// What it does to a capture; see Note [Finding severity] in
+  /// capture_blockers.h.
+  FindingSeverity severity = FindingSeverity::kBreaksCapture;
 
   /// The catalogue's explanation of `kind`: label, why and fix.
   const BlockerInfo& info() const { return blocker_info(kind); }
   /// `file:line in function`, or "" without a location.
   std::string where() const;
+  /// True when it happened in an installed package (transformers, timm...)
+  /// rather than the user's own code: code the user cannot edit, and whose
+  /// findings a trial capture decides (Note [Capture is the verdict]).
+  bool in_installed_package() const { return location && location->is_installed_package; }
 };
 
 /// The result of check_safety().
@@ -64,13 +71,23 @@ class SafetyReport {
   /// `description` names.
   SafetyReport(std::string description, std::vector<SafetyFinding> findings, bool ran_on_gpu,
                int64_t operators_observed);
+  /// As above, with the findings that affect no capture kept apart.
+  SafetyReport(std::string description, std::vector<SafetyFinding> findings,
+               std::vector<SafetyFinding> harmless, bool ran_on_gpu, int64_t operators_observed);
 
   /// What was checked, e.g. "function `step`".
   const std::string& description() const { return description_; }
   /// The findings, in the order they first happened.
   const std::vector<SafetyFinding>& findings() const { return findings_; }
+  /// Operations the pass saw that look like blockers but affect no capture
+  /// (FindingSeverity::kHarmless, e.g. copies of zero bytes); not among
+  /// findings().
+  const std::vector<SafetyFinding>& harmless() const { return harmless_; }
   /// True when nothing would break or spoil capture.
   bool empty() const { return findings_.empty(); }
+  /// True when some finding spoils replay (FindingSeverity::kSpoilsReplay):
+  /// a capture would succeed and compute with frozen values.
+  bool spoils_replay() const;
   /// True when the pass ran work on a CUDA device; false for a pass on CPU
   /// tensors only, whose findings are predictions.
   bool ran_on_gpu() const { return ran_on_gpu_; }
@@ -83,6 +100,7 @@ class SafetyReport {
  private:
   std::string description_;
   std::vector<SafetyFinding> findings_;
+  std::vector<SafetyFinding> harmless_;
   bool ran_on_gpu_ = false;
   int64_t operators_observed_ = 0;
 };
@@ -106,19 +124,53 @@ struct SafetyCheckOptions {
 SafetyReport check_safety(const std::function<void()>& run_once,
                           const SafetyCheckOptions& options = {});
 
+/// What a check's report leaves to decide before capturing; see Note
+/// [Capture is the verdict] in safety_check.cpp.
+enum class CaptureVerdict {
+  /// Nothing found: capture.
+  kClean,
+  /// Findings that a capture may never meet, all inside installed packages
+  /// (transformers...): capture, and let CUDA's answer decide.
+  kTryCapture,
+  /// Findings in the user's own code (or without a source line) that break
+  /// capture, or any finding that spoils replay: do not capture until they
+  /// are fixed.
+  kBlocked,
+};
+
+/// The verdict on `report`; see CaptureVerdict.
+CaptureVerdict capture_verdict(const SafetyReport& report);
+
+/// "clean", "try_capture" or "blocked".
+std::string_view capture_verdict_name(CaptureVerdict verdict);
+
 /// Records a blocker that the host program hit outside any ATen operator
 /// (e.g. torch.cuda.synchronize, Tensor.tolist) into the running check, at
 /// the current source location. `tensors` are the tensors the call acts on
 /// (empty for a sync); when all of them are CPU tensors the finding is a
 /// prediction. Returns false, recording nothing, when no check is running.
+/// `severity` overrides the kind's default_severity().
 bool record_host_blocker(BlockerKind kind, std::string_view call,
-                         const std::vector<at::Tensor>& tensors, std::string detail = "");
+                         const std::vector<at::Tensor>& tensors, std::string detail = "",
+                         std::optional<FindingSeverity> severity = std::nullopt);
 
-/// Records a tensor built from host data (a Python list, a NumPy array) by
-/// `call` (e.g. "torch.tensor") for `target` into the running check: a
-/// host-device copy on every call when `target` is a CUDA device; ordinary
-/// host work otherwise. Returns true when it recorded a finding.
-bool record_tensor_from_host_data(std::string_view call, c10::Device target);
+/// Records a tensor of `elements` elements built from host data (a Python
+/// list, a NumPy array) by `call` (e.g. "torch.tensor") for `target` into the
+/// running check: a host-device copy on every call when `target` is a CUDA
+/// device (harmless when it copies no element); ordinary host work otherwise.
+/// Returns true when it recorded a finding.
+bool record_tensor_from_host_data(std::string_view call, c10::Device target,
+                                  int64_t elements = -1);
+
+/// Runs every check pass: a host language installs what its pass needs
+/// around `pass` (Python wraps the host calls that never reach ATen, and
+/// answers capture queries as a capture would; see Note [Checking the path
+/// taken under capture] in safety_check.cpp) and calls it exactly once.
+using CheckPassWrapper = std::function<void(const std::function<void()>& pass)>;
+
+/// Installs the process-wide wrapper of check passes (replacing any earlier
+/// one); an empty function removes it.
+void set_check_pass_wrapper(CheckPassWrapper wrapper);
 
 /// While alive, the running check ignores the operators this thread runs:
 /// a host call recorded with record_host_blocker() runs them, and one finding

@@ -11,6 +11,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,13 @@ std::string describe_tensor(const at::Tensor& tensor);
 /// Describes any input value for a message: a tensor's spec, a container's
 /// kind and size, or a constant's value.
 std::string describe_value(const c10::IValue& value);
+
+/// Where `inputs` (named by `input_names`) hold a host-language object that
+/// holds tensors or state a module updates (transformers' DynamicCache, say),
+/// as "kwargs['past_key_values'] (DynamicCache(...))", or nullopt. See Note
+/// [Host objects holding tensors] in signature.cpp.
+std::optional<std::string> find_stateful_host_object(const std::vector<c10::IValue>& inputs,
+                                                     const std::vector<std::string>& input_names);
 
 /// Options of a Signature.
 struct SignatureOptions {

@@ -22,6 +22,13 @@ struct SourceFrame {
   std::string function;
   /// True when the frame is the user's code, not torch's or graphed's.
   bool is_user_code = true;
+  /// True when the file belongs to an installed package (site-packages or
+  /// dist-packages: transformers, timm...) rather than the user's own
+  /// sources. Such frames still count as user code for source lines (the
+  /// user called into that library), but a finding there is one the user
+  /// cannot edit, and one that may branch on capture (Note [Checking the
+  /// path taken under capture] in safety_check.cpp).
+  bool is_installed_package = false;
 };
 
 /// Reports the host program's call stack. Implementations must be callable
@@ -32,6 +39,10 @@ class SourceLocator {
   /// The current stack, innermost frame first.
   virtual std::vector<SourceFrame> current_stack() const = 0;
 };
+
+/// True when `file` lies in an installed package: a path through a
+/// site-packages or dist-packages directory.
+bool is_installed_package_file(const std::string& file);
 
 /// Installs the process-wide locator (replacing any earlier one); null removes it.
 void set_source_locator(std::shared_ptr<const SourceLocator> locator);

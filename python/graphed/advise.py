@@ -23,7 +23,7 @@ from . import _C
 from ._C import GraphedError
 from ._state import Snapshot, describe, first_cuda_device, tensor_shapes
 from .check import check as _check
-from .train import training_iteration
+from .train import batch_loss, check_batch_form, training_iteration
 
 
 @dataclass
@@ -194,13 +194,76 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
 
 
+@dataclass
+class TrialCapture:
+    """What a trial capture decided about graphed.check's findings (Note
+    [Capture is the verdict] in src/safety_check.cpp): ``captured`` True when
+    CUDA recorded the whole function, so that none of ``findings`` reached the
+    graph; else ``error`` is the capture's message (the operation and line
+    that broke it)."""
+
+    captured: bool
+    findings: List[Dict[str, Any]]
+    error: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"captured": self.captured, "error": self.error, "findings": self.findings}
+
+
+def _try_capture(capture_once: Callable[[], Any], findings: List[Dict[str, Any]]
+                 ) -> TrialCapture:
+    """Runs ``capture_once()`` (a capture whose result is dropped at once);
+    a CaptureError is the verdict, anything else propagates."""
+    try:
+        capture_once()
+        return TrialCapture(True, findings)
+    except _C.CaptureError as error:
+        return TrialCapture(False, findings, str(error))
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+def _blockers_after_trial(report: Any, trial: Optional[TrialCapture]) -> List[Dict[str, Any]]:
+    """The findings that count for the advice: none when a trial capture met
+    none of them."""
+    if trial is not None and trial.captured:
+        return []
+    return [f.to_dict() for f in report.findings]
+
+
+def _trial_notes(report: Any, trial: Optional[TrialCapture]) -> List[str]:
+    notes = []
+    if report.harmless:
+        notes.append(f"graphed.check saw {len(report.harmless)} harmless operation(s) that look "
+                     "like blockers (copies of zero bytes) and did not count them.")
+    if trial is None:
+        return notes
+    where = ", ".join(sorted({f"{f['op']} at {f['file']}:{f['line']}" if f.get("file")
+                              else f["op"] for f in trial.findings}))
+    if trial.captured:
+        notes.append(f"graphed.check found {len(trial.findings)} operation(s) inside installed "
+                     f"packages ({where}); a trial capture met none of "
+                     "them, so they do not count (Note [Capture is the verdict]).")
+    else:
+        lines = (trial.error or "").strip().splitlines()
+        notes.append(f"A trial capture failed: {lines[0] if lines else 'no message'}")
+    return notes
+
+
 def _advise_traced(*, trace: Dict[str, Any], eager_ms: float, device: torch.device,
                    blockers: List[Dict[str, Any]], between: bool, module_graphs: int,
-                   shapes_vary: bool, training: bool, description: str) -> Advice:
+                   shapes_vary: bool, training: bool, description: str,
+                   notes: Sequence[str] = (), trial: Optional[TrialCapture] = None,
+                   check_verdict: str = "clean") -> Advice:
     cost = _C.replay_cost(device.index if device.index is not None else 0)
     data = _C.advise_trace(trace, cost, eager_ms, blockers=len(blockers),
                            blockers_between_modules=between, module_graphs=max(module_graphs, 1),
                            shapes_vary=shapes_vary, training=training)
+    data["notes"] = list(data.get("notes", [])) + list(notes)
+    data["check_verdict"] = check_verdict
+    data["trial_capture"] = trial.to_dict() if trial is not None else None
+    data["check_false_findings"] = trial.findings if trial is not None and trial.captured else []
     return Advice(data, description=description, training=training, blockers=blockers,
                   trace=trace, device=_device_name(device))
 
@@ -231,9 +294,16 @@ def advise(fn: Callable[..., Any], *args: Any, other_inputs: Sequence[Any] = (),
     modules = _modules_of(fn)
     snapshots = [Snapshot(m) for m in modules] or [Snapshot(None)]
     call = lambda: fn(*args, **kwargs)  # noqa: E731
+    trial: Optional[TrialCapture] = None
     try:
         report = _check(fn, *args, **kwargs)
-        between, module_graphs = _locate_blockers(call, modules) if report else (False, 0)
+        if report.verdict == "try_capture":
+            from .capture import capture
+
+            trial = _try_capture(lambda: capture(fn, *args, **kwargs),
+                                 [f.to_dict() for f in report.findings])
+        blockers = _blockers_after_trial(report, trial)
+        between, module_graphs = _locate_blockers(call, modules) if blockers else (False, 0)
         for snapshot in snapshots:
             snapshot.restore()
         trace, eager_ms = _C.profile(call, settings.warmup, settings.timed_iters,
@@ -244,20 +314,23 @@ def advise(fn: Callable[..., Any], *args: Any, other_inputs: Sequence[Any] = (),
     shapes = tensor_shapes(args)
     shapes_vary = any(tensor_shapes(other if isinstance(other, tuple) else (other,)) != shapes
                       for other in other_inputs)
-    return _advise_traced(trace=trace, eager_ms=eager_ms, device=device,
-                          blockers=[f.to_dict() for f in report.findings], between=between,
-                          module_graphs=module_graphs, shapes_vary=shapes_vary, training=False,
-                          description=describe(fn))
+    return _advise_traced(trace=trace, eager_ms=eager_ms, device=device, blockers=blockers,
+                          between=between, module_graphs=module_graphs, shapes_vary=shapes_vary,
+                          training=False, description=describe(fn),
+                          notes=_trial_notes(report, trial), trial=trial,
+                          check_verdict=report.verdict)
 
 
 def eager_training_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                        loss_fn: Callable[..., torch.Tensor]) -> Callable[[Any], torch.Tensor]:
-    """The usual eager step: ``zero_grad()``, forward, loss, backward, ``step()``."""
+                        loss_fn: Optional[Callable[..., torch.Tensor]]
+                        ) -> Callable[[Any], torch.Tensor]:
+    """The usual eager step: ``zero_grad()``, forward, loss, backward, ``step()``;
+    the batch in any form of Note [Batch forms] (python/graphed/train.py),
+    the forward called as the user would (no arguments added)."""
 
     def step(batch: Any) -> torch.Tensor:
-        inputs, targets = batch
         optimizer.zero_grad()
-        loss = loss_fn(model(*(inputs if isinstance(inputs, tuple) else (inputs,))), targets)
+        loss = batch_loss(model, loss_fn, batch)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -279,7 +352,7 @@ def _copies(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    loss_fn: Callable[..., torch.Tensor], sample_batch: Tuple[Any, Any], *,
+                    loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any, *,
                     settings: Optional[ProfileSettings] = None) -> Advice:
     """Advice on capturing a whole training iteration with graphed.TrainStep.
 
@@ -289,16 +362,24 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
     graph will run; the eager time is of the usual step (``zero_grad()``,
     forward, backward, ``step()``) with ``optimizer`` as configured, on other
     copies. ``model`` and ``optimizer`` are not touched.
-    ``sample_batch`` is ``(inputs, targets)``.
+    ``sample_batch`` is ``(inputs, targets)``, or a dict of model arguments
+    (``loss_fn=None``: the model's own loss); see Note [Batch forms] in
+    python/graphed/train.py.
+
+    When graphed.check's findings are ones a capture may never meet (inside
+    installed packages such as transformers), a trial capture of the step on
+    further copies decides (Note [Capture is the verdict] in
+    src/safety_check.cpp): the advice then predicts what will be captured,
+    ``advice.trial_capture`` says what happened and
+    ``advice.check_false_findings`` lists what the capture never met.
     """
     _require_gpu("graphed.advise_training")
     settings = settings or ProfileSettings()
-    if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
-        raise GraphedError("Expected sample_batch to be (inputs, targets), got "
-                           f"{type(sample_batch).__name__}.")
+    check_batch_form(sample_batch, loss_fn)
     device = first_cuda_device(sample_batch, model) or torch.device(
         "cuda", torch.cuda.current_device())
     rng = Snapshot(None)
+    trial: Optional[TrialCapture] = None
     try:
         eager_model, eager_optimizer = _copies(model, optimizer)
         eager = eager_training_step(eager_model, eager_optimizer, loss_fn)
@@ -310,14 +391,36 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         graph_model, graph_optimizer = _copies(model, optimizer)
         iteration, _ = training_iteration(graph_model, graph_optimizer, loss_fn, sample_batch)
         report = _check(iteration, sample_batch)
+        if report.verdict == "try_capture":
+            trial = _trial_training_capture(model, optimizer, loss_fn, sample_batch, report)
+        blockers = _blockers_after_trial(report, trial)
         between, module_graphs = (_locate_blockers(lambda: iteration(sample_batch), [graph_model])
-                                  if report else (False, 0))
+                                  if blockers else (False, 0))
         for _ in range(settings.warmup):
             iteration(sample_batch)
         trace = _C.record_trace(lambda: iteration(sample_batch), settings.profiled_iters)
     finally:
         rng.restore()
-    return _advise_traced(trace=trace, eager_ms=eager_ms, device=device,
-                          blockers=[f.to_dict() for f in report.findings], between=between,
-                          module_graphs=2 * module_graphs, shapes_vary=False, training=True,
-                          description=f"training step of {describe(model)}")
+    notes = list(getattr(iteration, "notes", [])) + _trial_notes(report, trial)
+    return _advise_traced(trace=trace, eager_ms=eager_ms, device=device, blockers=blockers,
+                          between=between, module_graphs=2 * module_graphs, shapes_vary=False,
+                          training=True, description=f"training step of {describe(model)}",
+                          notes=notes, trial=trial, check_verdict=report.verdict)
+
+
+def _trial_training_capture(model: nn.Module, optimizer: torch.optim.Optimizer,
+                            loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any,
+                            report: Any) -> TrialCapture:
+    """TrainStep.from_parts on copies of ``model`` and ``optimizer``, released
+    at once: does the step capture although graphed.check found something?"""
+    from .train import TrainStep
+
+    trial_model, trial_optimizer = _copies(model, optimizer)
+
+    def capture_once() -> None:
+        TrainStep.from_parts(trial_model, trial_optimizer, loss_fn, sample_batch).release()
+
+    try:
+        return _try_capture(capture_once, [f.to_dict() for f in report.findings])
+    finally:
+        del trial_model, trial_optimizer

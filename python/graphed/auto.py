@@ -19,6 +19,7 @@ from . import _C
 ModuleChoice = Union[str, type]
 
 _MANAGER_ATTRIBUTE = "_graphed_auto_manager"
+_NOTES_ATTRIBUTE = "_graphed_auto_notes"
 
 
 def auto(
@@ -125,8 +126,33 @@ def auto(
         )
         module.forward = _managed_forward(manager, index, module)
     object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
+    object.__setattr__(model, _NOTES_ATTRIBUTE, _turn_cache_off_in_training(model))
     model.__class__ = _graphed_class(type(model))
     return model
+
+
+def _turn_cache_off_in_training(model: nn.Module) -> List[str]:
+    """Training calls of a forward that takes ``use_cache`` get
+    ``use_cache=False`` unless the caller sets it (Note [Batch forms] in
+    python/graphed/train.py): transformers would otherwise hand every layer a
+    key/value cache that training never reads and no graph can replay.
+    Returns the notes for ``stats()``."""
+    from .train import _forward_parameters
+
+    if "use_cache" not in _forward_parameters(model):
+        return []
+    forward = _eager_forward(model)
+
+    def training_forward(*args: Any, **kwargs: Any) -> Any:
+        if "use_cache" not in kwargs and torch.is_grad_enabled() and model_ref().training:
+            kwargs["use_cache"] = False
+        return forward(*args, **kwargs)
+
+    model_ref = weakref.ref(model)
+    model.forward = training_forward
+    return [f"use_cache=False in training calls of {type(model).__name__} (unless the call sets "
+            "it): a key/value cache built in every training forward is never read, and layers "
+            "handed one cannot replay a graph"]
 
 
 def stats(model: nn.Module) -> Dict[str, Any]:
@@ -134,13 +160,18 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     captures, evictions, capture time, live graphs and their memory
     (``graph_memory_bytes``; ``pool_reserved_bytes`` for the shared pool),
     the recorded call ``order``, per-module counters, every fallback with
-    its reason and count, and the ``training_groups`` captured together."""
+    its reason and count, the ``training_groups`` captured together,
+    ``check_false_findings`` (what graphed.check found inside installed
+    packages that the capture never met) and ``notes`` (what graphed changed:
+    ``use_cache=False`` in training calls of a transformers model)."""
     manager = getattr(model, _MANAGER_ATTRIBUTE, None)
     if manager is None:
         raise _C.GraphedError(
             "This model is not managed by graphed.auto; wrap it first: model = graphed.auto(model)."
         )
-    return manager.stats()
+    result = manager.stats()
+    result["notes"] = list(getattr(model, _NOTES_ATTRIBUTE, []))
+    return result
 
 
 def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module):

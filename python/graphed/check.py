@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
@@ -40,12 +42,31 @@ def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _C.SafetyReport:
     ``torch.tensor``) are found when called through ``torch``'s attributes
     (``torch.cuda.synchronize()``, ``x.tolist()``), not through a name bound
     before the check (``from torch.cuda import synchronize``).
+
+    The pass walks the path a capture walks: code outside torch that asks
+    ``torch.cuda.is_current_stream_capturing()`` (transformers does, to skip
+    host reads while capturing) is told True, so what is reported is what a
+    capture would meet (Note [Checking the path taken under capture] in
+    src/safety_check.cpp). Each finding has a ``severity``:
+    ``"breaks_capture"`` (CUDA refuses it), ``"spoils_replay"`` (a value is
+    frozen into the graph; a capture succeeds and replays compute with stale
+    data) or ``"harmless"``; harmless ones (copies of zero bytes) are kept
+    apart in ``report.harmless`` and do not make the report true.
+    ``report.verdict`` says what graphed's own APIs do with the findings:
+    ``"clean"``, ``"try_capture"`` (every finding inside installed packages
+    such as transformers: a trial capture decides) or ``"blocked"``.
     """
     state: List[torch.Tensor] = []
     if isinstance(fn, torch.nn.Module):
         state = list(fn.buffers())
+    return _C.check_safety(lambda: fn(*args, **kwargs), state, _describe(fn))
+
+
+def _run_pass(run: Callable[[], None]) -> None:
+    """Every check pass, from Python or from the core (graphed.auto's warm-up),
+    runs inside the host-call shims; see _C.set_check_pass_wrapper."""
     with _host_call_shims():
-        return _C.check_safety(lambda: fn(*args, **kwargs), state, _describe(fn))
+        run()
 
 
 # Host calls that never reach ATen's dispatcher are recorded by wrapping them
@@ -91,11 +112,22 @@ def _to_shim(original: Callable[..., Any]) -> Callable[..., Any]:
     return to
 
 
+def _element_count(data: Any) -> int:
+    """Elements of a tensor built from ``data`` (-1 when unknown)."""
+    if isinstance(data, (list, tuple)):
+        counts = [_element_count(item) for item in data]
+        return -1 if any(c < 0 for c in counts) else sum(counts)
+    size = getattr(data, "size", None)  # a NumPy array
+    if isinstance(size, int):
+        return size
+    return 1 if isinstance(data, (bool, int, float, complex)) else -1
+
+
 def _from_host_data(call: str, data: Any, device: Any, build: Callable[[Any], Any]) -> Any:
     if isinstance(data, torch.Tensor):
         return build(device)
     target = torch.device(device) if device is not None else torch.get_default_device()
-    if not _C.record_tensor_from_host_data(call, target):
+    if not _C.record_tensor_from_host_data(call, target, _element_count(data)):
         return build(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         # Recorded; build it on the CPU so that the rest of the function can be checked.
@@ -122,8 +154,25 @@ def _as_tensor_shim(original: Callable[..., Any]) -> Callable[..., Any]:
     return as_tensor
 
 
+_TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
+
+
+def _capturing_shim(original: Callable[[], bool]) -> Callable[[], bool]:
+    # See Note [Checking the path taken under capture] in src/safety_check.cpp:
+    # torch's own callers (an optimizer's capture health check) see the truth.
+    @functools.wraps(original)
+    def is_current_stream_capturing() -> bool:
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.startswith(_TORCH_DIRECTORY):
+            return original()
+        return True
+
+    return is_current_stream_capturing
+
+
 def _shims() -> List[Tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     return [
+        (torch.cuda, "is_current_stream_capturing", _capturing_shim),
         (torch.cuda, "synchronize", functools.partial(_sync_shim, "torch.cuda.synchronize")),
         (torch.cuda.Event, "synchronize",
          functools.partial(_sync_shim, "torch.cuda.Event.synchronize")),
@@ -155,3 +204,6 @@ def _host_call_shims() -> Iterator[None]:
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)
+
+
+_C.set_check_pass_wrapper(_run_pass)

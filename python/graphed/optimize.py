@@ -19,7 +19,7 @@ from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
                      advise_training, eager_training_step, format_advice)
 from .capture import capture
-from .train import TrainStep, training_state
+from .train import TrainStep, batch_loss, check_batch_form, training_state
 
 Progress = Callable[[str], None]
 
@@ -92,10 +92,9 @@ def _per_module(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[Callable
     return fn, _graph_modules(fn, lambda: fn(*args))
 
 
-def _train_per_module(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                      batch: Any) -> Tuple[Callable, Undo]:
-    inputs = batch[0] if isinstance(batch[0], tuple) else (batch[0],)
-    undo = _graph_modules(model, lambda: model(*inputs))
+def _train_per_module(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      loss_fn: Optional[Callable], batch: Any) -> Tuple[Callable, Undo]:
+    undo = _graph_modules(model, lambda: batch_loss(model, loss_fn, batch))
     return eager_training_step(model, optimizer, loss_fn), undo
 
 
@@ -142,6 +141,11 @@ class OptimizeReport:
     rtol: float = 1e-3
     atol: float = 1e-4
     verify_steps: int = 0
+    #: graphed.check's findings that a trial capture never met (Note [Capture
+    #: is the verdict] in src/safety_check.cpp): false alarms on this model.
+    check_false_findings: List[Dict[str, Any]] = field(default_factory=list)
+    #: What graphed changed to apply graphs (e.g. use_cache=False for training).
+    notes: List[str] = field(default_factory=list)
     fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
     graphed_trace: Optional[Dict[str, Any]] = field(default=None, repr=False)
 
@@ -173,6 +177,7 @@ class OptimizeReport:
             "speedup": self.speedup, "prediction_error": self.prediction_error,
             "max_abs_diff": self.max_abs_diff, "rtol": self.rtol, "atol": self.atol,
             "verify_steps": self.verify_steps,
+            "check_false_findings": self.check_false_findings, "notes": self.notes,
             "advice": self.advice.to_dict() if self.advice is not None else None,
         }
 
@@ -202,6 +207,14 @@ class OptimizeReport:
                          f"atol {self.atol:g})"))
         if rows:
             lines += ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows] + [""]
+        if self.notes:
+            lines += [f"- {note}" for note in self.notes] + [""]
+        if self.check_false_findings:
+            lines.append(f"graphed.check found {len(self.check_false_findings)} operation(s) that "
+                         "the capture never met (false findings on this model):")
+            lines += [f"- `{f['op']}`" + (f" at {f['file']}:{f['line']}" if f.get("file") else "")
+                      for f in self.check_false_findings]
+            lines.append("")
         if self.error:
             lines += ["```", self.error.rstrip(), "```", ""]
         if self.advice is not None:
@@ -242,8 +255,19 @@ def _max_diff(expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], rto
 def _choose(advice: Advice, force: bool) -> str:
     strategy = advice.strategy
     if strategy == "fix_blockers":
-        raise _Rejected("capture blockers sit inside the modules; fix what graphed.check lists "
-                        "(see the advice below)")
+        trial = advice.trial_capture
+        if trial is not None and not trial["captured"]:
+            lines = (trial["error"] or "").strip().splitlines()
+            raise _Rejected("a trial capture failed, so graphs cannot be applied as the code "
+                            f"stands: {lines[0] if lines else 'no message'} (the advice below "
+                            "lists what graphed.check found)")
+        kinds = {f.get("severity") for f in advice.blockers}
+        if "spoils_replay" in kinds:
+            raise _Rejected("graphed.check found operations that would freeze values into the "
+                            "graph (a capture would succeed and replay stale data); fix what it "
+                            "lists (see the advice below)")
+        raise _Rejected("capture blockers sit inside the modules, in your code; fix what "
+                        "graphed.check lists (see the advice below)")
     if strategy == "stay_eager":
         if not force:
             raise _Rejected(f"{advice.verdict}: predicted {advice.predicted_speedup:.2f}x; pass "
@@ -271,13 +295,22 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     function, ``sample_batch`` its input (a tensor or a tuple of arguments); it
     runs under ``torch.no_grad()``. Training form, ``optimize(model, optimizer,
     loss_fn, sample_batch=(inputs, targets))``: the step is zero-grad, forward,
-    ``loss_fn(model(inputs), targets)``, backward, ``optimizer.step()``.
+    ``loss_fn(model(inputs), targets)``, backward, ``optimizer.step()``. A
+    dict batch calls ``model(**batch)``, and with ``loss_fn=None`` the loss is
+    the model's own (``output.loss``: transformers models given ``labels``),
+    e.g. ``optimize(hf_model, optimizer, None, sample_batch={"input_ids": ids,
+    "labels": ids})``; see Note [Batch forms] in python/graphed/train.py.
 
-    Steps: graphed.check and graphed.advise (advise_training); apply the
-    recommended strategy (graphed.capture, graphed.TrainStep, or per-module
-    graphs where available); verify outputs (inference) or ``verify_steps``
-    losses and the parameters after them (training) against eager within
-    ``rtol``/``atol``; time eager and graphed side by side; report.
+    Steps: graphed.check and graphed.advise (advise_training); where the
+    check's findings may never meet a capture (inside installed packages such
+    as transformers), a trial capture decides (Note [Capture is the verdict]
+    in src/safety_check.cpp) and ``report.check_false_findings`` lists what it
+    never met; apply the recommended strategy (graphed.capture,
+    graphed.TrainStep, or per-module graphs where available); verify outputs
+    (inference) or ``verify_steps`` losses and the parameters after them
+    (training) against eager within ``rtol``/``atol``; time eager and graphed
+    side by side; report. ``report.notes`` says what graphed changed to apply
+    graphs (``use_cache=False`` in a transformers training step).
 
     Returns an :class:`OptimizeReport`, true when graphs were applied: use
     ``report.fn(*args)`` or ``report.step(batch)``. When anything fails, the
@@ -293,11 +326,11 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     settings = settings or ProfileSettings()
     if optimizer is None:
         return _optimize_inference(model, sample_batch, rtol, atol, force, settings, progress)
-    if loss_fn is None or not isinstance(model, nn.Module):
+    if not isinstance(model, nn.Module):
         raise GraphedError(
             "The training form is optimize(model, optimizer, loss_fn, sample_batch=(inputs, "
-            f"targets)) with an nn.Module model and a loss function; got model "
-            f"{type(model).__name__} and loss_fn {type(loss_fn).__name__}.")
+            f"targets)) with an nn.Module model; got model {type(model).__name__}.")
+    check_batch_form(sample_batch, loss_fn)
     return _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol, verify_steps,
                               force, settings, progress)
 
@@ -329,6 +362,7 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
         with torch.no_grad():
             progress("check and advise")
             report.advice = advise(model, *args, settings=settings)
+            report.check_false_findings = list(report.advice.check_false_findings)
             report.strategy = _choose(report.advice, force)
             strategy = STRATEGIES[report.strategy]
             expected = [t.clone() for t in _flatten(model(*args))]
@@ -377,6 +411,7 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
     try:
         progress("check and advise")
         report.advice = advise_training(model, optimizer, loss_fn, batch, settings=settings)
+        report.check_false_findings = list(report.advice.check_false_findings)
         report.strategy = _choose(report.advice, force)
         strategy = STRATEGIES[report.strategy]
 
@@ -390,6 +425,7 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
 
         progress(f"apply {report.strategy}")
         step, undo = strategy.training(model, optimizer, loss_fn, batch)
+        report.notes = list(getattr(step, "notes", []))
         guard_state = step.guard.state() if getattr(step, "guard", None) is not None else []
         captured = ValueSnapshot(training_state([model], [optimizer], guard_state))
 

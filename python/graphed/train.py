@@ -193,8 +193,122 @@ def _reset_lazy_state(optimizers: Sequence[torch.optim.Optimizer], known: set) -
                         value.fill_(_FIRST_STEP_VALUES.get(key, 0.0))
 
 
+# --- batches and losses ---------------------------------------------------------
+# Note [Batch forms]
+# ~~~~~~~~~~~~~~~~~~
+# A training step takes its batch in one of the forms users write:
+#  - ``(inputs, targets)`` with a ``loss_fn``: ``loss_fn(model(*inputs), targets)``
+#    (``inputs`` a tensor or a tuple of positional arguments);
+#  - a dict (Hugging Face style: ``input_ids``, ``attention_mask``, ``labels``):
+#    ``model(**batch)``, the loss taken from the output (``output.loss``), or
+#    ``loss_fn(output, batch)`` when a loss function is given;
+#  - with ``loss_fn=None``, a tuple or a tensor too: ``model(*batch)`` or
+#    ``model(batch)``, the loss taken from the output.
+# A model whose forward takes ``use_cache`` (transformers' causal LMs and
+# encoder-decoders) would build a key/value cache in every training forward,
+# an object no graph can replay and training never reads: graphed's step
+# passes ``use_cache=False`` unless the batch sets it, and says so in its
+# ``notes``. The eager steps graphed measures against run as the user's would.
+
+
+def _forward_parameters(model: nn.Module) -> Dict[str, inspect.Parameter]:
+    target = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    try:
+        return dict(inspect.signature(target.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def training_forward_kwargs(model: nn.Module, batch: Any) -> Tuple[Dict[str, Any], List[str]]:
+    """Keyword arguments graphed adds to a training forward, and notes saying
+    why (see Note [Batch forms]): ``use_cache=False`` where the forward takes
+    ``use_cache`` and the batch does not set it."""
+    if "use_cache" not in _forward_parameters(model):
+        return {}, []
+    if isinstance(batch, dict) and "use_cache" in batch:
+        return {}, []
+    return {"use_cache": False}, [
+        f"use_cache=False for the graphed step: {type(model).__name__}.forward would otherwise "
+        "build a key/value cache in every training forward, which training never reads and a "
+        "graph cannot replay"]
+
+
+def loss_from_output(output: Any, model: nn.Module) -> torch.Tensor:
+    """The loss a model returned itself: ``output.loss`` (transformers'
+    ``ModelOutput``), ``output["loss"]``, the first element of a tuple, or the
+    output when it is a single-element tensor."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise GraphedError(
+            f"With loss_fn=None the loss comes from the model's output, but "
+            f"{type(model).__name__} returned {type(output).__name__} without one (expected "
+            "output.loss, output['loss'], a tuple starting with the loss, or a single-element "
+            "tensor). Put the labels in the batch (e.g. batch['labels'] for transformers models) "
+            "or pass loss_fn.")
+    return loss
+
+
+def batch_loss(model: nn.Module, loss_fn: Optional[Callable[..., torch.Tensor]], batch: Any,
+               extra_kwargs: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+    """The loss of one forward on ``batch`` in any of the forms of Note
+    [Batch forms]; ``extra_kwargs`` go to the forward as keyword arguments."""
+    extra = extra_kwargs or {}
+    if isinstance(batch, dict):
+        output = model(**batch, **extra)
+        return loss_from_output(output, model) if loss_fn is None else loss_fn(output, batch)
+    if loss_fn is None:
+        args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        return loss_from_output(model(*args, **extra), model)
+    inputs, targets = batch
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    return loss_fn(model(*args, **extra), targets)
+
+
+def check_batch_form(batch: Any, loss_fn: Optional[Callable[..., torch.Tensor]]) -> None:
+    """Raises GraphedError with the accepted forms when ``batch`` fits none
+    (Note [Batch forms])."""
+    if isinstance(batch, dict) or loss_fn is None:
+        return
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        found = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
+                 else type(batch).__name__)
+        raise GraphedError(
+            f"Expected sample_batch to be (inputs, targets) for loss_fn(model(*inputs), targets), "
+            f"or a dict of model arguments (model(**batch)), got {found}. With a model that "
+            "computes its loss (transformers models given labels), pass loss_fn=None.")
+
+
+def split_batch(value: Any, parts: int) -> List[Any]:
+    """``value`` split into ``parts`` microbatches along dim 0: tensors
+    chunked, tuples, lists and dicts split element-wise, anything else
+    repeated."""
+    if parts == 1:
+        return [value]
+    if isinstance(value, torch.Tensor):
+        chunks = list(torch.chunk(value, parts))
+        if len(chunks) != parts:
+            raise GraphedError(
+                f"Expected every batch tensor to split into microbatches={parts} along dim 0, got "
+                f"a tensor of shape {tuple(value.shape)}. Use a batch size divisible by {parts}.")
+        return chunks
+    if isinstance(value, dict):
+        columns = {key: split_batch(item, parts) for key, item in value.items()}
+        return [{key: columns[key][i] for key in value} for i in range(parts)]
+    if isinstance(value, (tuple, list)):
+        columns = [split_batch(item, parts) for item in value]
+        return [type(value)(column[i] for column in columns) if isinstance(value, list)
+                else tuple(column[i] for column in columns) for i in range(parts)]
+    return [value] * parts
+
+
 def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
-                       loss_fn: Callable[..., torch.Tensor], sample_batch: Tuple[Any, Any], *,
+                       loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any, *,
                        microbatches: int = 1, clip_grad_norm: Optional[float] = None,
                        amp: Optional[str] = None, skip_nonfinite: bool = False,
                        loss_scaling: Optional[_C.LossScaling] = None
@@ -203,15 +317,16 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     Makes ``optimizer`` capturable (:func:`make_capturable`). Returns
     ``(iteration, guard)``: ``iteration(batch)`` runs one step eagerly and
-    returns the mean loss; ``guard.state()`` lists the guard's tensors.
-    graphed.advise traces this function to predict the captured step."""
+    returns the mean loss; ``guard.state()`` lists the guard's tensors;
+    ``iteration.notes`` says what graphed changed about the forward (Note
+    [Batch forms]). graphed.advise traces this function to predict the
+    captured step."""
     if amp not in (None, "bf16", "fp16"):
         raise GraphedError(f'Expected amp to be None, "bf16" or "fp16", got {amp!r}.')
     if microbatches < 1:
         raise GraphedError(f"Expected microbatches >= 1, got {microbatches}.")
-    if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2):
-        raise GraphedError("Expected sample_batch to be (inputs, targets), got "
-                           f"{type(sample_batch).__name__}.")
+    check_batch_form(sample_batch, loss_fn)
+    extra_kwargs, notes = training_forward_kwargs(model, sample_batch)
     device = _device_of(make_capturable(optimizer))
     scaling = loss_scaling or (_C.LossScaling() if amp == "fp16" else None)
     if (skip_nonfinite or scaling is not None) and not _fusable(optimizer):
@@ -223,25 +338,18 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
-    def forward_loss(inputs: Any, targets: Any) -> torch.Tensor:
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+    def forward_loss(micro_batch: Any) -> torch.Tensor:
         if autocast_dtype is None:
-            return loss_fn(model(*args), targets)
+            return batch_loss(model, loss_fn, micro_batch, extra_kwargs)
         # The autocast cache would hold casts made during capture: keep it off.
         with torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False):
-            return loss_fn(model(*args), targets)
-
-    def split(value: Any) -> List[Any]:
-        if isinstance(value, tuple):
-            return list(zip(*(split(v) for v in value)))
-        return list(torch.chunk(value, microbatches)) if microbatches > 1 else [value]
+            return batch_loss(model, loss_fn, micro_batch, extra_kwargs)
 
     def iteration(batch: Any) -> torch.Tensor:
-        inputs, targets = batch
         optimizer.zero_grad(set_to_none=True)
         total = None
-        for micro_inputs, micro_targets in zip(split(inputs), split(targets)):
-            loss = forward_loss(micro_inputs, micro_targets).float() / microbatches
+        for micro_batch in split_batch(batch, microbatches):
+            loss = forward_loss(micro_batch).float() / microbatches
             guard.scale_loss(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         grads = [p.grad for p in params if p.grad is not None]
@@ -253,6 +361,7 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
         return total
 
     iteration.__qualname__ = f"TrainStep.from_parts({type(model).__name__})"
+    iteration.notes = notes  # type: ignore[attr-defined]
     return iteration, guard
 
 
@@ -320,6 +429,8 @@ class TrainStep:
         for optimizer in self.optimizers:
             make_capturable(optimizer)
         self.guard = guard
+        #: What graphed changed about the step, for reports (e.g. use_cache=False).
+        self.notes: List[str] = []
         tensors = training_state(self.modules, self.optimizers, state)
         known = {id(t) for t in tensors}
         self._core = _C.TrainStep(step_fn, sample_batch, warmup,
@@ -338,7 +449,7 @@ class TrainStep:
 
     @classmethod
     def from_parts(cls, model: nn.Module, optimizer: torch.optim.Optimizer,
-                   loss_fn: Callable[..., torch.Tensor], sample_batch: Tuple[Any, Any], *,
+                   loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any, *,
                    microbatches: int = 1, clip_grad_norm: Optional[float] = None,
                    amp: Optional[str] = None, skip_nonfinite: bool = False,
                    loss_scaling: Optional[_C.LossScaling] = None, warmup: Optional[int] = None,
@@ -346,8 +457,12 @@ class TrainStep:
                    capture_error_mode: Optional[str] = None) -> "TrainStep":
         """The usual iteration, built from its parts.
 
-        ``sample_batch`` is ``(inputs, targets)``; ``inputs`` a tensor or a tuple of
-        model arguments. Each step: gradients dropped (they are written fresh,
+        ``sample_batch`` is ``(inputs, targets)`` (``inputs`` a tensor or a tuple of
+        model arguments), or a dict of model arguments (``model(**batch)``); with
+        ``loss_fn=None`` the loss is the model's own (``output.loss``, as
+        transformers models return it when the batch holds ``labels``). A forward
+        that takes ``use_cache`` gets ``use_cache=False`` (``step.notes`` says so;
+        see Note [Batch forms] in this file). Each step: gradients dropped (they are written fresh,
         no memset), the batch split into ``microbatches`` along dim 0, forward
         (under ``amp``: ``"bf16"`` autocast, or ``"fp16"`` autocast with dynamic
         loss scaling), ``loss_fn(output, targets) / microbatches``, backward;
@@ -361,9 +476,11 @@ class TrainStep:
             model, optimizer, loss_fn, sample_batch, microbatches=microbatches,
             clip_grad_norm=clip_grad_norm, amp=amp, skip_nonfinite=skip_nonfinite,
             loss_scaling=loss_scaling)
-        return cls(iteration, sample_batch, warmup=warmup, modules=[model],
+        step = cls(iteration, sample_batch, warmup=warmup, modules=[model],
                    optimizers=[optimizer], state=guard.state(), pool=pool,
                    capture_error_mode=capture_error_mode, guard=guard)
+        step.notes = list(iteration.notes)
+        return step
 
     def step(self, batch: Any) -> torch.Tensor:
         """Copies ``batch`` into the static buffers, replays the iteration and

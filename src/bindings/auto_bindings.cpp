@@ -109,6 +109,14 @@ py::dict stats_to_python(const GraphManagerStats& stats) {
     groups.append(entry);
   }
   out["training_groups"] = groups;
+  py::list false_findings;
+  for (const FallbackStats& finding : stats.check_false_findings) {
+    py::dict entry;
+    entry["module"] = finding.module;
+    entry["finding"] = finding.reason;
+    false_findings.append(entry);
+  }
+  out["check_false_findings"] = false_findings;
   return out;
 }
 

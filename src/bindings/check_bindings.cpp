@@ -5,6 +5,7 @@
 #include "python_values.h"
 #include "registration.h"
 
+#include <exception>
 #include <optional>
 
 namespace graphed::python {
@@ -33,6 +34,8 @@ py::dict finding_to_dict(const SafetyFinding& finding) {
   out["function"] = location_part(finding, frame_function);
   out["count"] = finding.count;
   out["predicted"] = finding.predicted;
+  out["severity"] = std::string(severity_name(finding.severity));
+  out["in_installed_package"] = finding.in_installed_package();
   return out;
 }
 
@@ -41,11 +44,17 @@ py::dict report_to_dict(const SafetyReport& report) {
   for (const SafetyFinding& finding : report.findings()) {
     findings.append(finding_to_dict(finding));
   }
+  py::list harmless;
+  for (const SafetyFinding& finding : report.harmless()) {
+    harmless.append(finding_to_dict(finding));
+  }
   py::dict out;
   out["description"] = report.description();
   out["ran_on_gpu"] = report.ran_on_gpu();
   out["operators_observed"] = report.operators_observed();
   out["findings"] = std::move(findings);
+  out["harmless"] = std::move(harmless);
+  out["verdict"] = std::string(capture_verdict_name(capture_verdict(report)));
   return out;
 }
 
@@ -108,6 +117,14 @@ void register_safety_check(py::module_& m) {
       .def_readonly("count", &SafetyFinding::count, "How many times it happened there.")
       .def_readonly("predicted", &SafetyFinding::predicted,
                     "True when seen on CPU tensors: it breaks capture once they live on the GPU.")
+      .def_property_readonly(
+          "severity",
+          [](const SafetyFinding& self) { return std::string(severity_name(self.severity)); },
+          "What it does to a capture: 'breaks_capture' (CUDA refuses it), 'spoils_replay' (a "
+          "value is frozen into the graph) or 'harmless' (e.g. a copy of zero bytes).")
+      .def_property_readonly("in_installed_package", &SafetyFinding::in_installed_package,
+                             "True when it happened inside an installed package (transformers, "
+                             "timm...) rather than your own code.")
       .def("to_dict", &finding_to_dict, "The finding as a JSON-ready dict.")
       .def("__repr__", [](const SafetyFinding& self) {
         return c10::str("<SafetyFinding ", blocker_kind_name(self.kind), " ", self.op,
@@ -120,6 +137,16 @@ void register_safety_check(py::module_& m) {
       .def_property_readonly("description", &SafetyReport::description, "What was checked.")
       .def_property_readonly("findings", &SafetyReport::findings,
                              "The findings, in the order they first happened.")
+      .def_property_readonly("harmless", &SafetyReport::harmless,
+                             "Operations that look like blockers but affect no capture (copies "
+                             "of zero bytes); not among findings.")
+      .def_property_readonly(
+          "verdict",
+          [](const SafetyReport& self) {
+            return std::string(capture_verdict_name(capture_verdict(self)));
+          },
+          "'clean', 'try_capture' (every finding inside installed packages such as transformers, "
+          "which a capture may never meet; a trial capture decides) or 'blocked'.")
       .def_property_readonly("ran_on_gpu", &SafetyReport::ran_on_gpu,
                              "False for a pass on CPU tensors only, whose findings are "
                              "predictions.")
@@ -147,11 +174,43 @@ void register_safety_check(py::module_& m) {
       "Record a host call that blocks capture into the running check; False when none runs.");
   m.def(
       "record_tensor_from_host_data",
-      [](const std::string& call, const c10::Device& target) {
-        return record_tensor_from_host_data(call, target);
+      [](const std::string& call, const c10::Device& target, int64_t elements) {
+        return record_tensor_from_host_data(call, target, elements);
       },
-      py::arg("call"), py::arg("target"),
-      "Record a tensor built from host data for `target`; True when that blocks capture.");
+      py::arg("call"), py::arg("target"), py::arg("elements") = -1,
+      "Record a tensor of `elements` elements (-1: unknown) built from host data for `target`; "
+      "True when it recorded a finding.");
+  m.def(
+      "set_check_pass_wrapper",
+      [](py::object wrapper) {
+        if (wrapper.is_none()) {
+          set_check_pass_wrapper({});
+          return;
+        }
+        std::shared_ptr<py::object> held = share_object(std::move(wrapper));
+        set_check_pass_wrapper([held](const std::function<void()>& pass) {
+          // The pass's own exception (the user's, or graphed's) travels
+          // around the Python wrapper untranslated.
+          std::exception_ptr failure;
+          {
+            py::gil_scoped_acquire gil;
+            (*held)(py::cpp_function([&pass, &failure] {
+              py::gil_scoped_release no_gil;
+              try {
+                pass();
+              } catch (...) {
+                failure = std::current_exception();
+              }
+            }));
+          }
+          if (failure) {
+            std::rethrow_exception(failure);
+          }
+        });
+      },
+      py::arg("wrapper"),
+      "Install `wrapper(run)`, called around every check pass (it must call run() once); None "
+      "removes it.");
   py::class_<QuietOperators>(m, "quiet_operators",
                              "Context manager: the running check ignores this thread's "
                              "operators (they belong to a host call recorded already).")

@@ -117,6 +117,19 @@ PYBIND11_MODULE(_C, m) {
         "Point capture-failure messages at user code: frames under these roots are library code.");
   m.def("cuda_device_count", [] { return static_cast<int>(c10::cuda::device_count()); });
   m.def(
+      "_convert", [](py::handle value) { return to_python(to_ivalue(value)); }, py::arg("value"),
+      "`value` converted to the core's form and back, as every call's inputs and outputs are "
+      "(for tests).");
+  m.def(
+      "stateful_host_object",
+      [](py::handle args, py::handle kwargs) -> py::object {
+        const std::optional<std::string> found =
+            find_stateful_host_object({to_ivalue(args), to_ivalue(kwargs)}, {"args", "kwargs"});
+        return found ? py::object(py::str(*found)) : py::object(py::none());
+      },
+      py::arg("args"), py::arg("kwargs"),
+      "Where (args, kwargs) hold a host object with tensors or a key/value cache, or None.");
+  m.def(
       "capture_stream_handle",
       [](int device) {
         return reinterpret_cast<intptr_t>(

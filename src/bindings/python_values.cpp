@@ -6,9 +6,16 @@
 #include <frameobject.h>
 
 #include <memory>
+#include <optional>
 
 namespace graphed::python {
 namespace {
+
+py::object structure_function(const char* name) {
+  // Leaked on purpose: released at exit after the interpreter, it would crash.
+  static auto* module = new py::object(py::module_::import("graphed._structure"));
+  return module->attr(name);
+}
 
 // Holds a Python object inside an IValue. Takes the GIL to release it,
 // since IValues are destroyed wherever their last owner is.
@@ -32,14 +39,29 @@ class HeldPythonObject final : public c10::ivalue::PyObjectHolder {
     py::gil_scoped_acquire gil;
     return py::repr(object_).cast<std::string>();
   }
-  std::vector<at::Tensor> extractTensors() override { return {}; }
+  // See Note [Host objects holding tensors] in src/signature.cpp: the
+  // tensors the object holds, or one undefined tensor for a cache that holds
+  // none yet (it will, once a layer appends to it).
+  std::vector<at::Tensor> extractTensors() override {
+    py::gil_scoped_acquire gil;
+    const py::tuple found = structure_function("stateful_tensors")(py::handle(object_)).cast<py::tuple>();
+    std::vector<at::Tensor> tensors;
+    for (py::handle tensor : found[0].cast<py::list>()) {
+      tensors.push_back(THPVariable_Unpack(tensor.ptr()));
+    }
+    if (tensors.empty() && found[1].cast<bool>()) {
+      tensors.emplace_back();
+    }
+    return tensors;
+  }
 
  private:
   PyObject* object_;
 };
 
-// A Python object owned from C++ code that may run without the GIL.
-std::shared_ptr<py::object> share(py::object object) {
+}  // namespace
+
+std::shared_ptr<py::object> share_object(py::object object) {
   return std::shared_ptr<py::object>(new py::object(std::move(object)), [](py::object* held) {
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
@@ -50,6 +72,10 @@ std::shared_ptr<py::object> share(py::object object) {
     }
   });
 }
+
+namespace {
+
+std::shared_ptr<py::object> share(py::object object) { return share_object(std::move(object)); }
 
 c10::TypePtr dict_key_type(const py::dict& dict) {
   for (const auto& item : dict) {
@@ -88,6 +114,7 @@ SourceFrame frame_of(PyFrameObject* frame, const std::vector<std::string>& roots
   Py_DECREF(code);
   result.line = PyFrame_GetLineNumber(frame);
   result.is_user_code = !is_library_file(result.file, roots);
+  result.is_installed_package = is_installed_package_file(result.file);
   return result;
 }
 
@@ -130,6 +157,39 @@ class PythonLocator final : public SourceLocator {
   static constexpr int kMaxDepth = 64;
   std::vector<std::string> roots_;
 };
+
+// Note [Structured Python containers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// IValues know tuples, lists and dicts, not their Python subclasses: a named
+// tuple, an OrderedDict, transformers' ModelOutput (which models return, and
+// whose tensors a graph must own like any output). Such a value is converted
+// to the pair (structure, children): the structure is an interned host
+// object (graphed._structure.Structure: the type and context that
+// torch.utils._pytree records), the children a tuple converted as usual, so
+// that the core sees every tensor inside. Converting back rebuilds the
+// original type around the new children. Types pytree does not know stay
+// opaque objects, compared by identity.
+
+bool is_structure(py::handle object) {
+  static auto* type = new py::object(structure_function("Structure"));
+  return py::isinstance(object, *type);
+}
+
+std::optional<c10::IValue> structured_to_ivalue(py::handle object) {
+  const py::object flattened = structure_function("flatten")(object);
+  if (flattened.is_none()) {
+    return std::nullopt;
+  }
+  const auto pair = flattened.cast<py::tuple>();
+  std::vector<c10::IValue> children;
+  for (py::handle child : pair[1].cast<py::list>()) {
+    children.push_back(to_ivalue(child));
+  }
+  c10::intrusive_ptr<c10::ivalue::PyObjectHolder> structure =
+      c10::make_intrusive<HeldPythonObject>(pair[0]);
+  return c10::ivalue::Tuple::create(
+      {c10::IValue(std::move(structure)), c10::ivalue::Tuple::create(std::move(children))});
+}
 
 }  // namespace
 
@@ -178,6 +238,11 @@ c10::IValue to_ivalue(py::handle object) {
     }
     return result;
   }
+  if (PyTuple_Check(raw) || PyList_Check(raw) || PyDict_Check(raw)) {
+    if (std::optional<c10::IValue> structured = structured_to_ivalue(object)) {
+      return std::move(*structured);
+    }
+  }
   c10::intrusive_ptr<c10::ivalue::PyObjectHolder> held =
       c10::make_intrusive<HeldPythonObject>(object);
   return c10::IValue(std::move(held));
@@ -207,6 +272,12 @@ py::object to_python(const c10::IValue& value) {
   }
   if (value.isTuple()) {
     const auto& elements = value.toTupleRef().elements();
+    if (elements.size() == 2 && elements[0].isPyObject() && elements[1].isTuple()) {
+      py::handle first = elements[0].toPyObjectHolder()->getPyObject();
+      if (is_structure(first)) {  // See Note [Structured Python containers].
+        return structure_function("unflatten")(first, to_python(elements[1]));
+      }
+    }
     py::tuple tuple(elements.size());
     for (size_t i = 0; i < elements.size(); ++i) {
       tuple[i] = to_python(elements[i]);

@@ -26,6 +26,11 @@ c10::IValue to_ivalue(py::handle object);
 // The inverse of to_ivalue.
 py::object to_python(const c10::IValue& value);
 
+// A Python object owned from C++ code that may run without the GIL: released
+// with the GIL taken, and leaked rather than released after the interpreter
+// has finalized.
+std::shared_ptr<py::object> share_object(py::object object);
+
 // A core function that calls `function(*inputs[0], **inputs[1])` with the GIL
 // held. When Python raises, it records the traceback's frames
 // (note_exception_stack) and lets the Python exception propagate unchanged.

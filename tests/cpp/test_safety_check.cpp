@@ -291,6 +291,76 @@ TEST_F(SafetyCheck, TensorsFromHostDataBlockOnlyForCuda) {
             std::string::npos);
 }
 
+TEST_F(SafetyCheck, AnEmptyTensorFromHostDataIsHarmlessAndKeptApart) {
+  const SafetyReport report = check_safety([] {
+    EXPECT_TRUE(record_tensor_from_host_data("torch.tensor", c10::Device(c10::kCUDA, 0), 0));
+  });
+  EXPECT_TRUE(report.empty()) << describe(report);
+  ASSERT_EQ(report.harmless().size(), 1u);
+  EXPECT_EQ(report.harmless()[0].severity, FindingSeverity::kHarmless);
+  EXPECT_EQ(capture_verdict(report), CaptureVerdict::kClean);
+  EXPECT_NE(describe(report).find("Not counted (harmless"), std::string::npos) << describe(report);
+}
+
+TEST_F(SafetyCheck, FindingsTakeTheSeverityOfTheirKind) {
+  const at::Tensor x = at::ones({3});
+  const SafetyReport report = check_safety([&] {
+    (void)x.sum().item<float>();
+    at::Generator other = at::make_generator<at::CPUGeneratorImpl>(7);
+    (void)at::rand({2}, other);
+  });
+  ASSERT_EQ(report.findings().size(), 2u) << describe(report);
+  EXPECT_EQ(report.findings()[0].severity, FindingSeverity::kBreaksCapture);
+  EXPECT_EQ(report.findings()[1].severity, FindingSeverity::kSpoilsReplay);
+  EXPECT_TRUE(report.spoils_replay());
+}
+
+TEST_F(SafetyCheck, TheWrapperRunsEveryPassOnceAndLetsExceptionsThrough) {
+  int wrapped = 0;
+  set_check_pass_wrapper([&](const std::function<void()>& pass) {
+    ++wrapped;
+    pass();
+  });
+  int ran = 0;
+  (void)check_safety([&] { ++ran; });
+  EXPECT_EQ(wrapped, 1);
+  EXPECT_EQ(ran, 1);
+  EXPECT_THROW((void)check_safety([] { throw std::runtime_error("user"); }), std::runtime_error);
+  set_check_pass_wrapper([](const std::function<void()>& /*pass*/) {});
+  EXPECT_THROW((void)check_safety([] {}), c10::Error);  // a wrapper that skips the pass
+  set_check_pass_wrapper({});
+}
+
+SafetyFinding finding_at(BlockerKind kind, std::optional<SourceFrame> where) {
+  SafetyFinding finding;
+  finding.kind = kind;
+  finding.op = "aten::item";
+  finding.severity = default_severity(kind);
+  finding.location = std::move(where);
+  return finding;
+}
+
+TEST(CaptureVerdict, CaptureDecidesWhatTheUserCannotEditAndTheCheckTheRest) {
+  const SourceFrame user{"train.py", 3, "step", true, false};
+  const SourceFrame package{"/venv/lib/python3.12/site-packages/transformers/masking_utils.py",
+                            260, "sdpa_mask", true, true};
+  const auto verdict = [](std::vector<SafetyFinding> findings) {
+    return capture_verdict(SafetyReport("f", std::move(findings), true, 1));
+  };
+  EXPECT_EQ(verdict({}), CaptureVerdict::kClean);
+  EXPECT_EQ(verdict({finding_at(BlockerKind::kHostRead, package)}), CaptureVerdict::kTryCapture);
+  EXPECT_EQ(verdict({finding_at(BlockerKind::kHostRead, std::nullopt)}),
+            CaptureVerdict::kBlocked);  // no line (LibTorch, autograd's threads): whose code?
+  EXPECT_EQ(verdict({finding_at(BlockerKind::kHostRead, package),
+                     finding_at(BlockerKind::kExplicitSync, user)}),
+            CaptureVerdict::kBlocked);
+  // What spoils replay a capture cannot reveal: blocked wherever it is.
+  EXPECT_EQ(verdict({finding_at(BlockerKind::kCpuTensor, package)}), CaptureVerdict::kBlocked);
+  EXPECT_EQ(capture_verdict_name(CaptureVerdict::kTryCapture), "try_capture");
+  EXPECT_TRUE(is_installed_package_file(package.file));
+  EXPECT_FALSE(is_installed_package_file(user.file));
+}
+
 TEST(SafetyReportText, ListsEachFindingWithWhyAndFix) {
   SafetyFinding finding;
   finding.kind = BlockerKind::kHostRead;
@@ -306,7 +376,8 @@ TEST(SafetyReportText, ListsEachFindingWithWhyAndFix) {
                       "9 operators."),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("1. host read: `aten::item` at model.py:12 in forward, 2 times\n"
+  EXPECT_NE(text.find("1. host read (breaks capture): `aten::item` at model.py:12 in forward, "
+                      "2 times\n"
                       "   inputs: () float32 cpu\n"),
             std::string::npos)
       << text;

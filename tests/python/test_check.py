@@ -126,7 +126,9 @@ def test_each_blocker_is_found_at_its_line(fn, marker, kind, op):
     assert finding.why and finding.fix
     text = str(report)
     where = f"{finding.file}:{finding.line} in {fn.__name__}"
-    assert f"1. {finding.label}: `{op}` at {where}" in text, text
+    severity = finding.severity.replace("_", " ")
+    assert severity in ("breaks capture", "spoils replay")
+    assert f"1. {finding.label} ({severity}): `{op}` at {where}" in text, text
     assert f"why:    {finding.why}" in text
     assert f"fix:    {finding.fix}" in text
 
@@ -402,3 +404,51 @@ def test_gpu_tensor_from_a_list_is_built_on_the_gpu_and_found():
     finding = the_finding(report, "host_device_copy", "torch.tensor")
     assert_points_at(finding, builds_cuda_tensor_from_list, "torch.tensor(")
     assert len(report) == 1, str(report)
+
+
+# --- severity and the path taken under capture (Note [Finding severity], Note
+# [Checking the path taken under capture]) --------------------------------------------
+
+
+def builds_empty_cuda_tensor(x):
+    empty = torch.tensor([], device="cuda")
+    return x * 2, empty
+
+
+def reads_only_when_not_capturing(x):
+    if not torch.cuda.is_current_stream_capturing() and x.sum() > 0:  # host read outside capture
+        return x
+    return x * 2
+
+
+def test_a_copy_of_zero_bytes_is_harmless_and_not_counted():
+    report = graphed.check(builds_empty_cuda_tensor, torch.ones(3))
+    assert not report, str(report)
+    assert [f.op for f in report.harmless] == ["torch.tensor"]
+    assert report.harmless[0].severity == "harmless"
+    assert report.verdict == "clean"
+    assert "harmless" in str(report)
+    assert report.to_dict()["harmless"][0]["severity"] == "harmless"
+
+
+def test_a_real_copy_from_host_data_breaks_capture():
+    report = graphed.check(builds_cuda_tensor_from_list, torch.ones(3))
+    finding = the_finding(report, "host_device_copy", "torch.tensor")
+    assert finding.severity == "breaks_capture"
+    assert not finding.in_installed_package
+    assert report.verdict == "blocked"  # in the user's own code
+    assert "(breaks capture)" in str(report)
+
+
+def test_code_that_asks_whether_it_is_captured_is_checked_along_the_capture_path():
+    report = graphed.check(reads_only_when_not_capturing, torch.ones(3))
+    assert not report, str(report)
+    # ... and the question is answered truthfully again after the check.
+    assert torch.cuda.is_current_stream_capturing.__module__ == "torch.cuda.graphs"
+
+
+def test_every_severity_has_a_name():
+    severities = {f.severity for report in (graphed.check(reads_item, torch.ones(3)),
+                                            graphed.check(builds_empty_cuda_tensor, torch.ones(3)))
+                  for f in list(report.findings) + list(report.harmless)}
+    assert severities <= {"breaks_capture", "spoils_replay", "harmless"}

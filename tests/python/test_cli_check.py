@@ -73,7 +73,7 @@ def test_blockers_found_exit_1_with_the_report(workloads):
     result = run_check(workloads, "my_workloads:blocked")
     assert result.returncode == 1, result.stdout + result.stderr
     path = workloads / "my_workloads.py"
-    assert f"1. host read: `aten::item` at {path}:{ITEM_LINE} in step" in result.stdout
+    assert f"1. host read (breaks capture): `aten::item` at {path}:{ITEM_LINE} in step" in result.stdout
     assert "fix:" in result.stdout
     assert result.stderr == ""
 
