@@ -18,7 +18,9 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <atomic>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -108,6 +110,59 @@ bool graph_task_captures_gradients() {
   return exec_info != nullptr && !exec_info->empty();
 }
 
+// Note [Fresh gradients in one allocation]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// After zero_grad(set_to_none=True), the usual loop, every parameter's
+// `.grad` is None when its gradient arrives, and AccumulateGrad clones the
+// static tensor (Note [Returned gradients are never aliases]): an allocation
+// and a copy kernel per parameter, about 20 us of host time each on a slow
+// host, which is most of what a graphed backward costs beyond its replay.
+// Instead, those gradients are copied into one fresh allocation per dtype
+// with one multi-tensor copy, and the node returns views of it shaped and
+// strided like the parameters: AccumulateGrad steals such a view as `.grad`
+// (it has one reference and obeys the layout contract), so the user's
+// gradients never alias graph memory, and the step costs one allocation and
+// a kernel or two. Parameters whose `.grad` exists (accumulation over
+// microbatches, zero_grad(set_to_none=False)) get the static tensor, which
+// AccumulateGrad adds in place; non-contiguous parameters too.
+torch::autograd::variable_list fresh_gradients(const GraphPair& pair) {
+  torch::autograd::variable_list results(pair.grad_results.begin(), pair.grad_results.end());
+  const size_t first_parameter = pair.grad_input_positions.size();
+  std::map<c10::ScalarType, std::vector<size_t>> by_dtype;
+  for (size_t i = first_parameter; i < results.size(); ++i) {
+    const at::Tensor& grad = results[i];
+    const at::Tensor& parameter = pair.grad_parameters[i - first_parameter];
+    if (grad.defined() && !parameter.grad().defined() && grad.layout() == at::kStrided &&
+        parameter.is_contiguous() && grad.sizes() == parameter.sizes() &&
+        grad.scalar_type() == parameter.scalar_type()) {
+      by_dtype[grad.scalar_type()].push_back(i);
+    }
+  }
+  constexpr int64_t kAlignmentBytes = 64;  // keeps vectorized kernels on their fast path
+  for (const auto& [dtype, indices] : by_dtype) {
+    const int64_t per_alignment = std::max<int64_t>(1, kAlignmentBytes / c10::elementSize(dtype));
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (size_t i : indices) {
+      offsets.push_back(total);
+      total += (results[i].numel() + per_alignment - 1) / per_alignment * per_alignment;
+    }
+    const at::Tensor flat = at::empty({total}, results[indices.front()].options());
+    std::vector<at::Tensor> views;
+    std::vector<at::Tensor> sources;
+    for (size_t k = 0; k < indices.size(); ++k) {
+      const at::Tensor& grad = results[indices[k]];
+      views.push_back(flat.narrow(0, offsets[k], grad.numel()).view(grad.sizes()));
+      sources.push_back(grad);
+    }
+    at::_foreach_copy_(views, sources);
+    for (size_t k = 0; k < indices.size(); ++k) {
+      results[indices[k]] = std::move(views[k]);
+    }
+  }
+  return results;
+}
+
 class GraphedBackward final : public torch::autograd::Node {
  public:
   GraphedBackward(std::shared_ptr<GraphPair> pair, uint64_t generation)
@@ -168,11 +223,14 @@ class GraphedBackward final : public torch::autograd::Node {
       pair.backward.replay();
     }
     pair.backward_replays.fetch_add(1, std::memory_order_relaxed);
+    if (!graph_task_captures_gradients()) {
+      c10::NoGradGuard no_grad;
+      return fresh_gradients(pair);  // Note [Fresh gradients in one allocation]
+    }
     torch::autograd::variable_list results;
     results.reserve(pair.grad_results.size());
-    const bool clone = graph_task_captures_gradients();
     for (const at::Tensor& grad : pair.grad_results) {
-      results.push_back(clone && grad.defined() ? grad.clone() : grad);
+      results.push_back(grad.defined() ? grad.clone() : grad);
     }
     return results;
   }
