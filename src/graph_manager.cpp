@@ -221,7 +221,10 @@ int64_t tensor_bytes(const std::vector<at::Tensor>& tensors) {
 
 std::string describe_finding(const SafetyFinding& finding) {
   std::ostringstream out;
-  out << "graphed.check found a " << finding.info().label << ", `" << finding.op << "`";
+  const std::string_view label = finding.info().label;
+  const bool vowel =
+      !label.empty() && std::string_view("aeiou").find(label.front()) != std::string_view::npos;
+  out << "graphed.check found " << (vowel ? "an " : "a ") << label << ", `" << finding.op << "`";
   if (!finding.inside.empty()) out << " inside " << finding.inside;
   const std::string where = finding.where();
   if (!where.empty()) out << " at " << where;
