@@ -135,6 +135,8 @@ TrainStep TrainStep::from_parts(TrainStepParts parts, std::vector<c10::IValue> s
                 "Expected autocast to be bfloat16 or float16, got ", *parts.autocast, ".");
   const std::vector<at::Tensor>& params = parts.optimizer->params();
   auto guard = std::make_shared<GradientGuard>(params.at(0).device(), parts.guard);
+  // A skipped step leaves the buffers too as they were: Note [Buffers of a skipped step].
+  guard->protect_buffers(parts.buffers);
 
   for (const at::Tensor& p : params) {
     options.state.push_back(p);
@@ -154,6 +156,7 @@ TrainStep TrainStep::from_parts(TrainStepParts parts, std::vector<c10::IValue> s
 
   TrainStepFunction iteration = [parts = std::move(parts),
                                  guard](const std::vector<c10::IValue>& batch) -> c10::IValue {
+    guard->begin_step();
     parts.optimizer->zero_grad(/*set_to_none=*/true);
     at::Tensor total;
     for (int i = 0; i < parts.microbatches; ++i) {

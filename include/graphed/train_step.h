@@ -111,7 +111,9 @@ struct TrainStepParts {
   TrainStepFunction loss;
   /// The optimizer; its parameters are what the iteration trains.
   std::shared_ptr<CapturableOptimizer> optimizer;
-  /// Buffers the forward updates (BatchNorm statistics), restored after capture.
+  /// Buffers the forward updates (BatchNorm statistics), restored after capture,
+  /// and restored on the device after a skipped step (Note [Buffers of a
+  /// skipped step]).
   std::vector<at::Tensor> buffers;
   /// Microbatches per iteration: the batch is split along dim 0 and their
   /// gradients accumulate.
@@ -137,8 +139,9 @@ class TrainStep {
   /// graphed.TrainStep.from_parts: gradients dropped (the backward writes them
   /// fresh), forward and backward over each microbatch with the loss divided
   /// by their number (scaled for fp16), then GradientGuard::process (unscale,
-  /// non-finite check, clipping), the optimizer step (skipped on the device
-  /// for non-finite steps) and the loss-scale update. The step returns the
+  /// non-finite check, clipping, and the buffers put back when the step is
+  /// skipped), the optimizer step (skipped on the device for non-finite
+  /// steps) and the loss-scale update. The step returns the
   /// summed microbatch losses. `options.state` may add tensors; the parts'
   /// own state is included.
   static TrainStep from_parts(TrainStepParts parts, std::vector<c10::IValue> sample_batch,

@@ -220,6 +220,9 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
             f"a device flag: fused Adam, AdamW or SGD; got {type(optimizer).__name__}. "
             "Use one of those, or skip_nonfinite=False.")
     guard = _C.GradientGuard(device, skip_nonfinite, clip_grad_norm, scaling)
+    # A skipped step leaves the buffers as they were too (BatchNorm statistics):
+    # Note [Buffers of a skipped step] in include/graphed/grad_guard.h.
+    guard.protect_buffers(list(model.buffers()))
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -237,6 +240,7 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
         return list(torch.chunk(value, microbatches)) if microbatches > 1 else [value]
 
     def iteration(batch: Any) -> torch.Tensor:
+        guard.begin_step()
         inputs, targets = batch
         optimizer.zero_grad(set_to_none=True)
         total = None
@@ -352,7 +356,8 @@ class TrainStep:
         (under ``amp``: ``"bf16"`` autocast, or ``"fp16"`` autocast with dynamic
         loss scaling), ``loss_fn(output, targets) / microbatches``, backward;
         then the non-finite check (``skip_nonfinite``: a step whose loss or
-        gradients are not finite leaves weights and optimizer state untouched),
+        gradients are not finite leaves weights, optimizer state and the
+        model's buffers, such as BatchNorm statistics, untouched),
         clipping to ``clip_grad_norm``, the optimizer step, and the loss-scale
         update. Returns the mean loss. ``model`` may be a DistributedDataParallel
         (see the class documentation)."""

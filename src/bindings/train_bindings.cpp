@@ -115,6 +115,11 @@ void register_training(py::module_& m) {
       .def("scale_loss", &GradientGuard::scale_loss)
       .def("process", &GradientGuard::process, py::arg("loss"), py::arg("grads"))
       .def("after_step", &GradientGuard::after_step)
+      .def("protect_buffers", &GradientGuard::protect_buffers, py::arg("buffers"),
+           "Buffers a skipped step must leave as they were (BatchNorm statistics).")
+      .def("begin_step", &GradientGuard::begin_step,
+           "Snapshots the protected buffers; call before the forward of each iteration.")
+      .def_property_readonly("protected_buffers", &GradientGuard::protected_buffers)
       .def_property_readonly("can_skip", &GradientGuard::can_skip)
       .def_property_readonly("skipped_steps", &GradientGuard::skipped_steps)
       .def_property_readonly("loss_scale", &GradientGuard::loss_scale)
