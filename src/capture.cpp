@@ -158,6 +158,10 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
     throw;
   }
   snapshot.restore();
+  captured.state_identity_ = TensorIdentities(options.state);
+  if (options.read_parameters) {
+    captured.parameter_identity_ = TensorIdentities(options.read_parameters());
+  }
   captured.function_ = std::move(function);
   captured.options_ = std::move(options);
   return captured;
@@ -184,6 +188,27 @@ void CapturedFunction::raise_mismatch(const std::vector<c10::IValue>& inputs) co
   message << "\nA graph replays fixed shapes, dtypes and devices: call it with inputs like the "
              "sample it was captured with, or capture again with a sample of the new shape.";
   GRAPHED_THROW(InputMismatchError, message.str());
+}
+
+void CapturedFunction::check_tensors_in_place() const {
+  // See Note [Tensors a graph reads in place].
+  static constexpr const char* kWhy =
+      ". The graph reads and writes the memory these tensors had at capture: changing a "
+      "module's dtype or device (.double(), .half(), .to()), assigning `.data` or replacing a "
+      "parameter or buffer leaves the graph on freed or stale memory, so it was not replayed. "
+      "Capture again after such a change; change values in place (load_state_dict, "
+      "param.data.copy_(...)) to keep the graph.";
+  const std::string state = state_identity_.first_difference(options_.state, "state tensor");
+  GRAPHED_CHECK(state.empty(), "Expected the tensors ", options_.description,
+                " updates in place (its state: buffers, parameters, optimizer state) to be "
+                "those it was captured with, but ", state, kWhy);
+  if (options_.read_parameters) {
+    const std::string parameters =
+        parameter_identity_.first_difference(options_.read_parameters(), "parameter or buffer");
+    GRAPHED_CHECK(parameters.empty(), "Expected the parameters and buffers of ",
+                  options_.description, " to be those it was captured with, but ", parameters,
+                  kWhy);
+  }
 }
 
 void CapturedFunction::bring_inputs() {
@@ -241,6 +266,7 @@ c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_in
                     "graphed.make_graphed_callables for training.");
     }
   }
+  check_tensors_in_place();
   c10::cuda::CUDAGuard device_guard(graph_.device());
   if (sites_.empty()) {
     stats_.input_copies += static_cast<int64_t>(inputs_.load(scratch_));

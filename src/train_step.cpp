@@ -217,6 +217,7 @@ TrainStep::TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_bat
   capture_options.clone_outputs = options_.clone_loss;
   capture_options.input_names = options_.batch_names;
   capture_options.state = options_.state;
+  capture_options.read_parameters = options_.read_parameters;
   capture_options.description = options_.description;
   capture_options.autograd = true;
   train_ = std::make_unique<CapturedFunction>(
@@ -261,6 +262,7 @@ void TrainStep::capture_eval(CapturableFunction evaluate, std::vector<c10::IValu
   capture_options.pool = train_graph().graph().pool();
   capture_options.error_mode = options_.error_mode;
   capture_options.state = options_.state;
+  capture_options.read_parameters = options_.read_parameters;
   capture_options.description = "the evaluation of " + options_.description;
   eval_ = std::make_unique<CapturedFunction>(
       capture(std::move(evaluate), std::move(sample_inputs), std::move(capture_options)));

@@ -90,6 +90,12 @@ struct TrainStepOptions {
   /// warm-up and restored after capture, on success and on failure, so the
   /// first step() is exactly the first step eager training would take.
   std::vector<at::Tensor> state;
+  /// Reads, as they are now, the parameters and buffers of the modules the
+  /// iteration trains (from the modules, not from `state`), so that a step
+  /// whose module was given other tensors after capture raises instead of
+  /// training tensors the module no longer holds (Note [Tensors a graph reads
+  /// in place]). Unset to skip the check.
+  std::function<std::vector<at::Tensor>()> read_parameters;
   /// Names of the batch values in messages; "batch" for one value,
   /// "batch[0]", "batch[1]"... for several.
   std::vector<std::string> batch_names;

@@ -326,9 +326,14 @@ class TrainStep:
         self.guard = guard
         tensors = training_state(self.modules, self.optimizers, state)
         known = {id(t) for t in tensors}
+        # Each step checks that the modules still hold the tensors the graph
+        # trains (Note [Tensors a graph reads in place]).
+        submodules = [m for module in self.modules for m in module.modules()]
+        tensor_dicts = [m._parameters for m in submodules] + [m._buffers for m in submodules]
         self._core = _C.TrainStep(step_fn, sample_batch, warmup,
                                   None if pool is None else tuple(pool), capture_error_mode,
-                                  tensors, clone_loss, _describe(step_fn), hooked)
+                                  tensors, clone_loss, _describe(step_fn), hooked,
+                                  tensor_dicts=tensor_dicts)
         if hooked is not None:
             distributed.register(self)
         _reset_lazy_state(self.optimizers, known)

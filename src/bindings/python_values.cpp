@@ -272,6 +272,31 @@ std::function<void()> wrap_procedure(py::object function) {
   };
 }
 
+std::function<std::vector<at::Tensor>()> read_tensors_of(const py::list& tensor_dicts) {
+  for (const py::handle dict : tensor_dicts) {
+    TORCH_CHECK(PyDict_Check(dict.ptr()), "graphed expected a list of dicts of tensors (a "
+                "module's _parameters and _buffers), got an element of type ",
+                Py_TYPE(dict.ptr())->tp_name, ".");
+  }
+  // A copy of the list (of the dicts themselves), released with the GIL.
+  std::shared_ptr<py::object> held = share(py::list(tensor_dicts));
+  return [held]() {
+    py::gil_scoped_acquire gil;
+    std::vector<at::Tensor> tensors;
+    for (const py::handle dict : py::reinterpret_borrow<py::list>(*held)) {
+      PyObject* key = nullptr;
+      PyObject* value = nullptr;
+      Py_ssize_t position = 0;
+      while (PyDict_Next(dict.ptr(), &position, &key, &value)) {
+        if (THPVariable_Check(value)) {
+          tensors.push_back(THPVariable_Unpack(value));
+        }
+      }
+    }
+    return tensors;
+  };
+}
+
 CaptureGuard wrap_guard(std::string name, py::object read) {
   std::shared_ptr<py::object> held = share(std::move(read));
   return CaptureGuard{std::move(name), [held]() -> c10::IValue {
