@@ -488,10 +488,18 @@ c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
   c10::cuda::CUDAGuard device_guard(shared.device);
   {
     c10::NoGradGuard no_grad;
-    for (size_t i = 0; i < scratch_.size(); ++i) {
+    // See Note [Inputs that alias other static buffers]; scratch_ keeps the
+    // caller's tensors, whose autograd history the backward edges need.
+    std::vector<at::Tensor> unaliased;
+    if (any_cross_alias(scratch_, pair.inputs->tensors)) {
+      unaliased = scratch_;
+      clone_cross_aliases(unaliased, pair.inputs->tensors);
+    }
+    const std::vector<at::Tensor>& sources = unaliased.empty() ? scratch_ : unaliased;
+    for (size_t i = 0; i < sources.size(); ++i) {
       at::Tensor& buffer = pair.inputs->tensors[i];
-      if (scratch_[i].data_ptr() != buffer.data_ptr()) {
-        buffer.copy_(scratch_[i]);
+      if (sources[i].data_ptr() != buffer.data_ptr()) {
+        buffer.copy_(sources[i]);
         ++stats_.input_copies;
       }
     }

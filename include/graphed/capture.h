@@ -84,7 +84,9 @@ struct CaptureOptions {
   std::vector<CaptureGuard> guards;
   /// What is captured, for messages, e.g. "function `forward`".
   std::string description = "the function";
-  /// See InputUpdate. Inputs the function writes in place are always copied.
+  /// See InputUpdate. Inputs the function writes in place, and inputs that an
+  /// output is (a view of), are always copied: re-pointed, the graph would
+  /// leave them, and so the output, with an earlier call's values.
   InputUpdate input_update = InputUpdate::kCopy;
   /// The size from which InputUpdate::kAuto re-points rather than copies.
   int64_t repoint_min_bytes = int64_t{4} << 20;
