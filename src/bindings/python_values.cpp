@@ -1,5 +1,7 @@
 #include "python_values.h"
 
+#include "graphed/check.h"
+
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -274,9 +276,10 @@ std::function<void()> wrap_procedure(py::object function) {
 
 std::function<std::vector<at::Tensor>()> read_tensors_of(const py::list& tensor_dicts) {
   for (const py::handle dict : tensor_dicts) {
-    TORCH_CHECK(PyDict_Check(dict.ptr()), "graphed expected a list of dicts of tensors (a "
-                "module's _parameters and _buffers), got an element of type ",
-                Py_TYPE(dict.ptr())->tp_name, ".");
+    GRAPHED_CHECK(PyDict_Check(dict.ptr()), "Expected a list of dicts of tensors (modules' "
+                  "_parameters and _buffers), got an element of type ",
+                  Py_TYPE(dict.ptr())->tp_name, ". Pass [m._parameters for m in "
+                  "module.modules()].");
   }
   // A copy of the list (of the dicts themselves), released with the GIL.
   std::shared_ptr<py::object> held = share(py::list(tensor_dicts));
