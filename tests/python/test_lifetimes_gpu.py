@@ -173,7 +173,8 @@ def test_graphs_alive_at_interpreter_exit_do_not_crash(mode):
                                timeout=240, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert "ready" in completed.stdout
-    for sign in ("terminate called", "Segmentation fault", "Fatal Python error", "CUDA error",
+    # Warnings from destructors that run after CUDA unloaded are fine; crashes are not.
+    for sign in ("terminate called", "Segmentation fault", "Fatal Python error", "Aborted",
                  "core dumped"):
         assert sign not in completed.stderr, completed.stderr[-4000:]
 
