@@ -36,6 +36,13 @@ import zoo  # noqa: E402
 
 WORKLOADS["zoo"] = zoo.run
 
+# Memory safety and state under stress (issue 13)
+import soak  # noqa: E402
+
+WORKLOADS["soak"] = soak.run
+# Run only when named: a minute or more, and it measures safety, not speed.
+OPT_IN = {"soak"}
+
 
 def markdown(results) -> str:
     lines = []
@@ -45,6 +52,13 @@ def markdown(results) -> str:
             continue
         if "models" in workload:
             lines.append(zoo.markdown(workload))
+            continue
+        if "apis" in workload:
+            verdict = "ok" if workload.get("ok") else "FAILED checks"
+            lines.append(f"### {name} ({workload['replays_per_api']} replays per API: "
+                         f"{verdict})\n")
+            lines.extend(soak.markdown(workload))
+            lines.append("")
             continue
         if "host_us" in workload:
             lines.append(f"### {name}\n\n| case | host us per call |\n|---|---:|")
@@ -93,7 +107,9 @@ def add_advice(results, name: str, out_dir: str, quick: bool) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                        help=f"workloads to run (default: all of {', '.join(WORKLOADS)})")
+                        help="workloads to run (default: all of "
+                             f"{', '.join(w for w in WORKLOADS if w not in OPT_IN)}; "
+                             f"{', '.join(sorted(OPT_IN))} only when named)")
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--markdown", help="where to write the markdown table")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
@@ -101,7 +117,7 @@ def main() -> int:
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
-    args.workloads = args.workloads or list(WORKLOADS)
+    args.workloads = args.workloads or [w for w in WORKLOADS if w not in OPT_IN]
     if not torch.cuda.is_available():
         print("bench: needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -121,6 +137,7 @@ def main() -> int:
             failed = True
             results["workloads"][name] = {"error": traceback.format_exc()}
             traceback.print_exc()
+        failed |= results["workloads"][name].get("ok") is False  # soak's checks
         failed |= add_advice(results, name, os.path.dirname(os.path.abspath(args.json)),
                              args.quick)
         with open(args.json, "w") as out:  # after each workload: a crash keeps the rest

@@ -1,6 +1,8 @@
 """Prints the summary table of scripts/gpu-check (or gpu-check-multi) from its
-output folder: test counts from the JUnit files of ctest and pytest, and the
-benchmark rows: ``gpu_check_summary.py OUT [--bench h200.json]``."""
+output folder: test counts from the JUnit files of ctest and pytest, the
+benchmark rows, the soak workload (in the benchmark file or soak.json) and the
+compute-sanitizer runs (sanitize.json): ``gpu_check_summary.py OUT [--bench
+h200.json]``."""
 
 import json
 import os
@@ -24,6 +26,42 @@ def junit_counts(path):
     return total - failed - skipped, failed, skipped
 
 
+def soak_rows(workload):
+    """Rows of the soak workload (bench/soak.py): one per API."""
+    verdict = "all checks passed" if workload.get("ok") else "CHECKS FAILED"
+    print(f"\nsoak: {workload['replays_per_api']} replays per API, {verdict} (memory growth "
+          f"<= {workload['growth_limit_mb']} MB, diff <= {workload['diff_limit']})\n")
+    print("| api | replays | us/replay | alloc growth MB | reserved growth MB | max diff | ok |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for api, r in workload["apis"].items():
+        if "error" in r:
+            print(f"| {api} | FAILED: {r['error'].strip().splitlines()[-1]} | | | | | no |")
+            continue
+        if "evictions" in r:
+            api += (f" (evictions {r['evictions']}, graphs <= {r['graphs_max']}, "
+                    f"within budget: {r['within_budget']})")
+        print(f"| {api} | {r['replays']} | {r['us_per_replay']} | {r['allocated_growth_mb']} | "
+              f"{r['reserved_growth_mb']} | {r['max_abs_diff_vs_eager']:.2e} | "
+              f"{'yes' if r['ok'] else 'NO'} |")
+
+
+def sanitize_rows(out):
+    """Rows of scripts/gpu_sanitize.py's sanitize.json, when it ran."""
+    path = os.path.join(out, "sanitize.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as file:
+        result = json.load(file)
+    if "error" in result:
+        print(f"\nsanitize: not run: {result['error']}")
+        return
+    print("\n| sanitizer | tests | errors |")
+    print("|---|---|---:|")
+    for tool in result["tools"].values():
+        errors = tool["errors"] if tool["complete"] else f"{tool['errors']} (INCOMPLETE)"
+        print(f"| {tool['tool']} | {'; '.join(tool['tests'])} | {errors} |")
+
+
 def main(out, bench_name="h200.json"):
     print("\n## gpu-check summary\n")
     print("| tests | passed | failed | skipped |")
@@ -34,6 +72,13 @@ def main(out, bench_name="h200.json"):
             print(f"| {name} | not run | | |")
         else:
             print(f"| {name} | {counts[0]} | {counts[1]} | {counts[2]} |")
+    sanitize_rows(out)
+    soak = os.path.join(out, "soak.json")
+    if bench_name != "soak.json" and os.path.exists(soak):
+        with open(soak) as file:
+            for workload in json.load(file)["workloads"].values():
+                if "apis" in workload:
+                    soak_rows(workload)
     bench = os.path.join(out, bench_name)
     if not os.path.exists(bench):
         print("\nbenchmarks: not run")
@@ -47,6 +92,9 @@ def main(out, bench_name="h200.json"):
         if "error" in data:
             print(f"| {workload} | FAILED: {data['error'].strip().splitlines()[-1]} | | | | | |")
             continue
+        if "apis" in data:
+            print(f"| {workload} | see the soak table | | | | | |")
+            continue
         if "host_us" in data:
             for case, us in data["host_us"].items():
                 print(f"| {workload} | {case} | {us:.2f} us host | | | | |")
@@ -58,6 +106,9 @@ def main(out, bench_name="h200.json"):
             print(f"| {workload} | {method} | {r['ms']:.4f} | {floor} | "
                   f"{r['speedup_vs_eager']:.2f} | {r.get('capture_ms', '')} | "
                   f"{r.get('graph_mb', '')} |")
+    for data in results["workloads"].values():
+        if "apis" in data:
+            soak_rows(data)
     if results.get("advice"):
         print("\n| advice | predicted ms | measured ms | error |")
         print("|---|---:|---:|---:|")

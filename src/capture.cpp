@@ -43,6 +43,18 @@ std::optional<c10::Device> input_device(const Signature& signature) {
   return device;
 }
 
+// True when `tensor` shares storage with one of `others`.
+bool shares_storage_with_any(const at::Tensor& tensor, const std::vector<at::Tensor>& others) {
+  if (!tensor.defined() || !tensor.unsafeGetTensorImpl()->has_storage()) {
+    return false;
+  }
+  const void* address = tensor.storage().data();
+  return std::any_of(others.begin(), others.end(), [&](const at::Tensor& other) {
+    return other.defined() && other.unsafeGetTensorImpl()->has_storage() &&
+           other.storage().data() == address;
+  });
+}
+
 void check_outputs(const StaticOutputs& outputs, const std::string& description) {
   for (const at::Tensor& tensor : outputs.tensors()) {
     GRAPHED_CHECK_AS(CaptureError, !tensor.defined() || tensor.is_cuda(), description,
@@ -139,8 +151,11 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
       captured.sites_.assign(buffers.size(), std::nullopt);
       for (size_t i = 0; i < buffers.size(); ++i) {
         captured.bound_.push_back(buffers[i].data_ptr());
+        // An output that is (a view of) the buffer must see the call's value:
+        // such inputs are copied, never re-pointed.
         if (std::find(mutated.begin(), mutated.end(), i) == mutated.end() &&
-            buffers[i].nbytes() > 0) {
+            buffers[i].nbytes() > 0 &&
+            !shares_storage_with_any(buffers[i], captured.outputs_.tensors())) {
           captured.sites_[i] = captured.graph_.find_references(buffers[i].data_ptr(),
                                                                buffers[i].nbytes());
           captured.stats_.repointable_inputs += captured.sites_[i] ? 1 : 0;
@@ -158,6 +173,10 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
     throw;
   }
   snapshot.restore();
+  captured.state_identity_ = TensorIdentities(options.state);
+  if (options.read_parameters) {
+    captured.parameter_identity_ = TensorIdentities(options.read_parameters());
+  }
   captured.function_ = std::move(function);
   captured.options_ = std::move(options);
   return captured;
@@ -186,12 +205,41 @@ void CapturedFunction::raise_mismatch(const std::vector<c10::IValue>& inputs) co
   GRAPHED_THROW(InputMismatchError, message.str());
 }
 
+void CapturedFunction::check_tensors_in_place() const {
+  // See Note [Tensors a graph reads in place].
+  static constexpr const char* kWhy =
+      ". The graph reads and writes the memory these tensors had at capture: changing a "
+      "module's dtype or device (.double(), .half(), .to()), assigning `.data` or replacing a "
+      "parameter or buffer leaves the graph on freed or stale memory, so it was not replayed. "
+      "Capture again after such a change; change values in place (load_state_dict, "
+      "param.data.copy_(...)) to keep the graph.";
+  const std::string state = state_identity_.first_difference(options_.state, "state tensor");
+  GRAPHED_CHECK(state.empty(), "Expected the tensors ", options_.description,
+                " updates in place (its state: buffers, parameters, optimizer state) to be "
+                "those it was captured with, but ", state, kWhy);
+  if (options_.read_parameters) {
+    const std::string parameters =
+        parameter_identity_.first_difference(options_.read_parameters(), "parameter or buffer");
+    GRAPHED_CHECK(parameters.empty(), "Expected the parameters and buffers of ",
+                  options_.description, " to be those it was captured with, but ", parameters,
+                  kWhy);
+  }
+}
+
 void CapturedFunction::bring_inputs() {
   // See Note [Re-pointing a graph].
   const std::vector<at::Tensor>& buffers = inputs_.buffers();
   c10::NoGradGuard no_grad;
+  // See Note [Inputs that alias other static buffers]; scratch_ keeps the
+  // caller's tensors for store_back().
+  std::vector<at::Tensor> unaliased;
+  if (any_cross_alias(scratch_, buffers)) {
+    unaliased = scratch_;
+    clone_cross_aliases(unaliased, buffers);
+  }
+  const std::vector<at::Tensor>& sources = unaliased.empty() ? scratch_ : unaliased;
   for (size_t i = 0; i < buffers.size(); ++i) {
-    const at::Tensor& tensor = scratch_[i];
+    const at::Tensor& tensor = sources[i];
     const at::Tensor& buffer = buffers[i];
     const void* address = tensor.data_ptr();
     bool repoint = false;
@@ -241,6 +289,7 @@ c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_in
                     "graphed.make_graphed_callables for training.");
     }
   }
+  check_tensors_in_place();
   c10::cuda::CUDAGuard device_guard(graph_.device());
   if (sites_.empty()) {
     stats_.input_copies += static_cast<int64_t>(inputs_.load(scratch_));

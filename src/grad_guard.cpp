@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 
 #include <map>
+#include <unordered_set>
 
 namespace graphed {
 
@@ -19,6 +20,61 @@ std::vector<std::vector<at::Tensor>> group_by_dtype(const std::vector<at::Tensor
     result.push_back(std::move(group));
   }
   return result;
+}
+
+namespace {
+
+void check_shadows(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& shadows) {
+  GRAPHED_CHECK(tensors.size() == shadows.size(), "Expected one shadow per tensor, got ",
+                shadows.size(), " shadows for ", tensors.size(), " tensors.");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    GRAPHED_CHECK(tensors[i].sizes().equals(shadows[i].sizes()) &&
+                      tensors[i].scalar_type() == shadows[i].scalar_type() &&
+                      tensors[i].device() == shadows[i].device(),
+                  "Expected shadow ", i, " to have the sizes, dtype and device of its tensor (",
+                  tensors[i].sizes(), " ", tensors[i].scalar_type(), " ",
+                  tensors[i].device().str(), "), got ", shadows[i].sizes(), " ",
+                  shadows[i].scalar_type(), " ", shadows[i].device().str(),
+                  ". Allocate the shadows with empty_like(tensor).");
+  }
+}
+
+}  // namespace
+
+void snapshot_tensors(const std::vector<at::Tensor>& tensors,
+                      const std::vector<at::Tensor>& shadows) {
+  check_shadows(tensors, shadows);
+  c10::NoGradGuard no_grad;
+  // _foreach_copy_ takes one dtype per list (its fast path; the kernel
+  // falls back to one copy per tensor otherwise).
+  std::map<c10::ScalarType, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> groups;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto& group = groups[tensors[i].scalar_type()];
+    group.first.push_back(shadows[i]);
+    group.second.push_back(tensors[i]);
+  }
+  for (auto& [dtype, group] : groups) {
+    at::_foreach_copy_(group.first, group.second);
+  }
+}
+
+void restore_tensors_if(const at::Tensor& flag, const std::vector<at::Tensor>& tensors,
+                        const std::vector<at::Tensor>& shadows) {
+  check_shadows(tensors, shadows);
+  if (tensors.empty()) {
+    return;
+  }
+  GRAPHED_CHECK(flag.defined() && flag.numel() == 1, "Expected the skip flag to be a tensor with "
+                "one element (found_inf), got ", flag.defined() ? c10::str(flag.sizes())
+                                                                : std::string("an undefined tensor"),
+                ".");
+  c10::NoGradGuard no_grad;
+  // See Note [Buffers of a skipped step]: select, never blend.
+  const at::Tensor skip = flag.reshape({}).ne(0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor target = tensors[i];
+    at::where_out(target, skip, shadows[i], tensors[i]);
+  }
 }
 
 at::Tensor global_grad_norm(const std::vector<at::Tensor>& grads) {
@@ -104,7 +160,32 @@ at::Tensor GradientGuard::process(const at::Tensor& loss, const std::vector<at::
   }
   at::maximum_out(found_inf_, found_inf_, bad.to(at::kFloat));
   skipped_.add_(found_inf_);
+  restore_tensors_if(found_inf_, buffers_, shadows_);
   return found_inf_;
+}
+
+void GradientGuard::protect_buffers(const std::vector<at::Tensor>& buffers) {
+  buffers_.clear();
+  shadows_.clear();
+  if (!can_skip()) {
+    return;
+  }
+  c10::NoGradGuard no_grad;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const at::Tensor& buffer : buffers) {
+    if (!buffer.defined() || buffer.device() != found_inf_.device() ||
+        !seen.insert(buffer.unsafeGetTensorImpl()).second) {
+      continue;
+    }
+    buffers_.push_back(buffer);
+    shadows_.push_back(at::empty_like(buffer, at::MemoryFormat::Preserve));
+  }
+}
+
+void GradientGuard::begin_step() {
+  if (!buffers_.empty()) {
+    snapshot_tensors(buffers_, shadows_);
+  }
 }
 
 void GradientGuard::after_step() {

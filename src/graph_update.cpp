@@ -42,6 +42,9 @@ namespace graphed {
 // Pointers stored in device memory (pointer arrays of batched GEMMs) are
 // invisible to any host-side scan; no ATen operator on a single input tensor
 // uses one, but this is why copying stays the default (Invariant 2 first).
+// An input that an output is (or views), e.g. `return x * 2, x`, is never
+// re-pointed (capture.cpp): the output is its static buffer, which only a
+// copy refreshes.
 
 namespace detail {
 namespace {

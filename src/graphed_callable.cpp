@@ -452,31 +452,36 @@ GraphedCallable::GraphedCallable(GraphableCallable callable,
                                  std::shared_ptr<GraphedCallablesShared> shared)
     : callable_(std::move(callable)), pairs_(std::move(pairs)), shared_(std::move(shared)) {
   if (callable_.read_parameters) {
-    for (const at::Tensor& parameter : callable_.read_parameters()) {
-      parameter_identity_.push_back(parameter.unsafeGetTensorImpl());
-    }
+    parameter_identity_ = TensorIdentities(callable_.read_parameters());
   }
+  state_identity_ = TensorIdentities(callable_.state);
 }
 
 GraphedCallable::~GraphedCallable() = default;
 
 void GraphedCallable::check_parameters() const {
-  if (!callable_.read_parameters) {
-    return;
+  // See Note [Tensors a graph reads in place].
+  static constexpr const char* kFix =
+      ". The graphs read and write the original parameters' memory. Graph the module again "
+      "after changing its parameters (update values in place with param.data.copy_(...) to "
+      "keep the graphs).";
+  if (callable_.read_parameters) {
+    const std::vector<at::Tensor> now = callable_.read_parameters();
+    GRAPHED_CHECK(now.size() == parameter_identity_.size(), "Expected the parameters of ",
+                  callable_.description, " to be those it was graphed with (",
+                  parameter_identity_.size(), " tensors), but they were changed to ", now.size(),
+                  " tensors", kFix);
+    const std::string difference = parameter_identity_.first_difference(now, "parameter");
+    GRAPHED_CHECK(difference.empty(), "Expected the parameters of ", callable_.description,
+                  " to be those it was graphed with (", parameter_identity_.size(),
+                  " tensors), but ", difference, kFix);
   }
-  const std::vector<at::Tensor> now = callable_.read_parameters();
-  bool same = now.size() == parameter_identity_.size();
-  for (size_t i = 0; same && i < now.size(); ++i) {
-    same = now[i].unsafeGetTensorImpl() == parameter_identity_[i];
-  }
-  GRAPHED_CHECK(same, "Expected the parameters of ", callable_.description,
-                " to be those it was graphed with (", parameter_identity_.size(),
-                " tensors), but they were ", now.size() == parameter_identity_.size()
-                    ? "replaced by other tensors"
-                    : c10::str("changed to ", now.size(), " tensors"),
-                ". The graphs read and write the original parameters' memory. Graph the module "
-                "again after changing its parameters (update values in place with "
-                "param.data.copy_(...) to keep the graphs).");
+  const std::string moved = state_identity_.first_difference(callable_.state, "buffer");
+  GRAPHED_CHECK(moved.empty(), "Expected the buffers of ", callable_.description,
+                " to keep the memory they had when it was graphed, but ", moved,
+                ". Changing a module's dtype or device (.double(), .to()) or assigning `.data` "
+                "after graphing leaves the graphs on freed memory. Graph the module again after "
+                "such a change.");
 }
 
 c10::IValue GraphedCallable::operator()(const std::vector<c10::IValue>& inputs) {
@@ -555,10 +560,18 @@ c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
   c10::cuda::CUDAGuard device_guard(shared.device);
   {
     c10::NoGradGuard no_grad;
-    for (size_t i = 0; i < scratch_.size(); ++i) {
+    // See Note [Inputs that alias other static buffers]; scratch_ keeps the
+    // caller's tensors, whose autograd history the backward edges need.
+    std::vector<at::Tensor> unaliased;
+    if (any_cross_alias(scratch_, pair.inputs->tensors)) {
+      unaliased = scratch_;
+      clone_cross_aliases(unaliased, pair.inputs->tensors);
+    }
+    const std::vector<at::Tensor>& sources = unaliased.empty() ? scratch_ : unaliased;
+    for (size_t i = 0; i < sources.size(); ++i) {
       at::Tensor& buffer = pair.inputs->tensors[i];
-      if (scratch_[i].data_ptr() != buffer.data_ptr()) {
-        buffer.copy_(scratch_[i]);
+      if (sources[i].data_ptr() != buffer.data_ptr()) {
+        buffer.copy_(sources[i]);
         ++stats_.input_copies;
       }
     }

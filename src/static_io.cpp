@@ -79,14 +79,71 @@ StaticInputs::StaticInputs(const std::vector<c10::IValue>& sample) {
   }
 }
 
+namespace {
+
+const void* storage_address(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.unsafeGetTensorImpl()->has_storage()) {
+    return nullptr;
+  }
+  return tensor.storage().data();
+}
+
+}  // namespace
+
+bool any_cross_alias(const std::vector<at::Tensor>& tensors,
+                     const std::vector<at::Tensor>& buffers) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const void* address = storage_address(tensors[i]);
+    if (address == nullptr) {
+      continue;
+    }
+    for (size_t j = 0; j < buffers.size(); ++j) {
+      if (j != i && storage_address(buffers[j]) == address) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+size_t clone_cross_aliases(std::vector<at::Tensor>& tensors,
+                           const std::vector<at::Tensor>& buffers) {
+  GRAPHED_INTERNAL_ASSERT(tensors.size() == buffers.size(), "expected ", buffers.size(),
+                          " input tensors, got ", tensors.size());
+  // See Note [Inputs that alias other static buffers].
+  size_t cloned = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const void* address = storage_address(tensors[i]);
+    if (address == nullptr) {
+      continue;
+    }
+    for (size_t j = 0; j < buffers.size(); ++j) {
+      if (j != i && storage_address(buffers[j]) == address) {
+        c10::NoGradGuard no_grad;
+        tensors[i] = tensors[i].clone(at::MemoryFormat::Preserve);
+        ++cloned;
+        break;
+      }
+    }
+  }
+  return cloned;
+}
+
 size_t StaticInputs::load(const std::vector<at::Tensor>& tensors) {
   GRAPHED_INTERNAL_ASSERT(tensors.size() == buffers_.size(), "expected ", buffers_.size(),
                           " input tensors, got ", tensors.size());
   c10::NoGradGuard no_grad;
+  // Copies of the handles only when some input aliases another's buffer.
+  std::vector<at::Tensor> unaliased;
+  if (any_cross_alias(tensors, buffers_)) {
+    unaliased = tensors;
+    clone_cross_aliases(unaliased, buffers_);
+  }
+  const std::vector<at::Tensor>& sources = unaliased.empty() ? tensors : unaliased;
   size_t copied = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (!tensors[i].is_same(buffers_[i])) {
-      buffers_[i].copy_(tensors[i], /*non_blocking=*/true);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (!sources[i].is_same(buffers_[i])) {
+      buffers_[i].copy_(sources[i], /*non_blocking=*/true);
       ++copied;
     }
   }

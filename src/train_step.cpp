@@ -137,6 +137,8 @@ TrainStep TrainStep::from_parts(TrainStepParts parts, std::vector<c10::IValue> s
                 "Expected autocast to be bfloat16 or float16, got ", *parts.autocast, ".");
   const std::vector<at::Tensor>& params = parts.optimizer->params();
   auto guard = std::make_shared<GradientGuard>(params.at(0).device(), parts.guard);
+  // A skipped step leaves the buffers too as they were: Note [Buffers of a skipped step].
+  guard->protect_buffers(parts.buffers);
 
   for (const at::Tensor& p : params) {
     options.state.push_back(p);
@@ -156,6 +158,7 @@ TrainStep TrainStep::from_parts(TrainStepParts parts, std::vector<c10::IValue> s
 
   TrainStepFunction iteration = [parts = std::move(parts),
                                  guard](const std::vector<c10::IValue>& batch) -> c10::IValue {
+    guard->begin_step();
     parts.optimizer->zero_grad(/*set_to_none=*/true);
     at::Tensor total;
     for (int i = 0; i < parts.microbatches; ++i) {
@@ -224,6 +227,7 @@ TrainStep::TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_bat
   capture_options.clone_outputs = options_.clone_loss;
   capture_options.input_names = options_.batch_names;
   capture_options.state = options_.state;
+  capture_options.read_parameters = options_.read_parameters;
   capture_options.description = options_.description;
   capture_options.autograd = true;
   train_ = std::make_unique<CapturedFunction>(
@@ -268,6 +272,7 @@ void TrainStep::capture_eval(CapturableFunction evaluate, std::vector<c10::IValu
   capture_options.pool = train_graph().graph().pool();
   capture_options.error_mode = options_.error_mode;
   capture_options.state = options_.state;
+  capture_options.read_parameters = options_.read_parameters;
   capture_options.description = "the evaluation of " + options_.description;
   eval_ = std::make_unique<CapturedFunction>(
       capture(std::move(evaluate), std::move(sample_inputs), std::move(capture_options)));

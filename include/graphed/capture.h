@@ -9,6 +9,7 @@
 #include "graphed/graph.h"
 #include "graphed/signature.h"
 #include "graphed/static_io.h"
+#include "graphed/tensor_identity.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -68,13 +69,24 @@ struct CaptureOptions {
   /// Names of the inputs in messages; "args[0]", "args[1]"... when empty.
   std::vector<std::string> input_names;
   /// Tensors the function may modify (e.g. module buffers): restored after
-  /// warm-up and capture, so that capturing changes nothing.
+  /// warm-up and capture, so that capturing changes nothing. Every call also
+  /// checks that they keep the address, dtype and sizes they had at capture
+  /// (Note [Tensors a graph reads in place]).
   std::vector<at::Tensor> state;
+  /// Reads, as they are now, the tensors the function reads in place besides
+  /// its inputs (a module's parameters and buffers, from the module). Read
+  /// once after capture and on every call: a call whose tensors were
+  /// replaced or moved (`.double()`, `.to()`, `.data =`) raises instead of
+  /// replaying on stale or freed memory (Note [Tensors a graph reads in
+  /// place]). Unset to skip the check.
+  std::function<std::vector<at::Tensor>()> read_parameters;
   /// Values checked on every call; see CaptureGuard.
   std::vector<CaptureGuard> guards;
   /// What is captured, for messages, e.g. "function `forward`".
   std::string description = "the function";
-  /// See InputUpdate. Inputs the function writes in place are always copied.
+  /// See InputUpdate. Inputs the function writes in place, and inputs that an
+  /// output is (a view of), are always copied: re-pointed, the graph would
+  /// leave them, and so the output, with an earlier call's values.
   InputUpdate input_update = InputUpdate::kCopy;
   /// The size from which InputUpdate::kAuto re-points rather than copies.
   int64_t repoint_min_bytes = int64_t{4} << 20;
@@ -130,6 +142,7 @@ class CapturedFunction {
                                   CaptureOptions options);
   CapturedFunction() = default;
   [[noreturn]] void raise_mismatch(const std::vector<c10::IValue>& inputs) const;
+  void check_tensors_in_place() const;
   std::vector<c10::IValue> guarded_inputs(const std::vector<c10::IValue>& inputs) const;
   void bring_inputs();
 
@@ -143,6 +156,9 @@ class CapturedFunction {
   Graph graph_;
   CapturedFunctionStats stats_;
   std::vector<at::Tensor> scratch_;
+  // Note [Tensors a graph reads in place].
+  TensorIdentities state_identity_;
+  TensorIdentities parameter_identity_;
   // Per input: its re-pointing site in graph_ (none: always copied), where
   // the graph reads it now, and where the previous call's tensor lived.
   std::vector<std::optional<size_t>> sites_;

@@ -62,9 +62,28 @@ class GradientGuard {
 
   /// After backward: unscales `grads` (loss scaling), checks `loss` and
   /// `grads` for non-finite values (skip_nonfinite or loss scaling), and clips
-  /// `grads` (clip_grad_norm). Returns the found_inf flag for the optimizer,
-  /// or an undefined tensor when nothing can skip the step.
+  /// `grads` (clip_grad_norm). When the step is skipped, writes the protected
+  /// buffers back to their values at begin_step() (Note [Buffers of a skipped
+  /// step]). Returns the found_inf flag for the optimizer, or an undefined
+  /// tensor when nothing can skip the step.
   at::Tensor process(const at::Tensor& loss, const std::vector<at::Tensor>& grads);
+
+  /// Buffers the forward updates (BatchNorm's running statistics and
+  /// num_batches_tracked) that a skipped step must leave exactly as they
+  /// were; see Note [Buffers of a skipped step]. Allocates a shadow copy of
+  /// each on the guard's device (call it before capture). Buffers on other
+  /// devices are left out (a captured iteration cannot update them), as are
+  /// repeats of one tensor. Replaces buffers protected before. Does nothing
+  /// unless can_skip(): a step that cannot be skipped has nothing to undo.
+  void protect_buffers(const std::vector<at::Tensor>& buffers);
+
+  /// Call at the start of each iteration, before the forward: copies the
+  /// protected buffers into their shadows (device to device, one kernel per
+  /// dtype, no host sync). Does nothing without protected buffers.
+  void begin_step();
+
+  /// The buffers protect_buffers() kept.
+  const std::vector<at::Tensor>& protected_buffers() const { return buffers_; }
 
   /// After the optimizer step: updates the loss scale (loss scaling only).
   void after_step();
@@ -90,7 +109,47 @@ class GradientGuard {
   at::Tensor scale_;
   at::Tensor growth_tracker_;
   at::Tensor grad_norm_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<at::Tensor> shadows_;
 };
+
+/// Note [Buffers of a skipped step]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// A skipped step leaves weights and optimizer state alone because the
+/// optimizer reads found_inf (Note [Non-finite steps inside the graph]). But
+/// the forward has already run by then, and it updates module buffers: one
+/// NaN pixel in a batch makes BatchNorm's running_mean and running_var NaN
+/// for good, and num_batches_tracked counts a batch that was never trained
+/// on. Whether the step is bad is only known after backward, on the device,
+/// so the buffers cannot be left alone; they are put back instead:
+///
+/// 1. begin_step(), before the forward, copies each protected buffer into a
+///    shadow tensor the guard owns (_foreach_copy_, one kernel per dtype).
+/// 2. process(), once found_inf is final, writes
+///    `where(found_inf > 0, shadow, buffer)` into each buffer
+///    (where_out with the buffer as both the output and the "else" input).
+///
+/// Both are device work with no host read, so they record into the captured
+/// iteration and replay every step. `where` selects elements, it does not
+/// blend them: the result is bit-identical to the snapshot for every dtype,
+/// including int64 counters and buffers the bad step filled with NaN, where
+/// arithmetic blending (`b + f * (s - b)`, lerp) would keep the NaN. A good
+/// step costs one elementwise kernel per buffer and one copy kernel per
+/// dtype; the shadows cost as much memory as the buffers. Only guards that
+/// can skip (skip_nonfinite or loss scaling) protect buffers.
+
+/// Copies each of `tensors` into the shadow at the same index (same sizes and
+/// device), with one _foreach_copy_ per dtype; enqueued on the current stream.
+void snapshot_tensors(const std::vector<at::Tensor>& tensors,
+                      const std::vector<at::Tensor>& shadows);
+
+/// Where `flag` (a zero-dimensional tensor on the tensors' device; non-zero
+/// means the step was skipped) is set, writes each shadow back into the
+/// tensor at the same index, bit for bit; otherwise leaves the tensors as
+/// they are. Decided on the device: no host sync. See Note [Buffers of a
+/// skipped step].
+void restore_tensors_if(const at::Tensor& flag, const std::vector<at::Tensor>& tensors,
+                        const std::vector<at::Tensor>& shadows);
 
 /// Scales `grads` in place so that their global 2-norm is at most `max_norm`,
 /// as torch.nn.utils.clip_grad_norm_ does, without reading the norm on the

@@ -23,5 +23,6 @@
 #include "graphed/source_location.h"
 #include "graphed/state_snapshot.h"
 #include "graphed/static_io.h"
+#include "graphed/tensor_identity.h"
 #include "graphed/train_step.h"
 #include "graphed/version.h"

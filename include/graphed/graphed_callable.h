@@ -12,6 +12,7 @@
 #include "graphed/graph.h"
 #include "graphed/graph_schedule.h"
 #include "graphed/signature.h"
+#include "graphed/tensor_identity.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -48,7 +49,9 @@ struct GraphableCallable {
   /// (GraphedCallable::operator()); unset to use `training`.
   std::function<bool()> read_training;
   /// Reads the callable's parameters as they are now, to detect parameters
-  /// added, removed or replaced after graphing; unset to skip the check.
+  /// added, removed, replaced or moved (`.double()`, `.to()`, `.data =`)
+  /// after graphing (Note [Tensors a graph reads in place]); unset to skip
+  /// the check. `state` is checked for moves on every call too.
   std::function<std::vector<at::Tensor>()> read_parameters;
   /// Names the callable in messages, e.g. "module `Block`".
   std::string description = "the callable";
@@ -151,7 +154,9 @@ class GraphedCallable {
   GraphableCallable callable_;
   std::vector<std::shared_ptr<detail::GraphPair>> pairs_;
   std::shared_ptr<detail::GraphedCallablesShared> shared_;
-  std::vector<const void*> parameter_identity_;
+  // Note [Tensors a graph reads in place].
+  TensorIdentities parameter_identity_;
+  TensorIdentities state_identity_;
   size_t next_microbatch_ = 0;
   GraphedCallableStats stats_;
   std::vector<at::Tensor> scratch_;

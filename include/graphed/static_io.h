@@ -26,6 +26,30 @@ c10::IValue map_tensors(const c10::IValue& value,
 /// The tensors of `value`, in for_each_tensor order.
 std::vector<at::Tensor> flatten_tensors(const c10::IValue& value);
 
+/// Note [Inputs that alias other static buffers]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// A call copies its input tensors into the static buffers one by one. When
+/// an input is (or is a view of) the static buffer of another input, e.g. a
+/// function returning its inputs swapped, `h, c = fast(*fast(h, c))`, or a
+/// caller reusing `static_inputs[0]` as the second argument, an earlier copy
+/// can overwrite it before it is read, and the graph computes on the wrong
+/// value. Such inputs are therefore cloned first, before any copy, which
+/// keeps the value they had when the call was made, as eager execution
+/// would see it. An input that is its own buffer is not copied at all.
+/// Finding them compares storage addresses, a few loads per input pair.
+
+/// True when one of `tensors` shares storage with a buffer other than
+/// `buffers[i]` (same index): see Note [Inputs that alias other static buffers].
+bool any_cross_alias(const std::vector<at::Tensor>& tensors,
+                     const std::vector<at::Tensor>& buffers);
+
+/// Replaces each of `tensors` that shares storage with a buffer other than
+/// `buffers[i]` (same index) by a clone; enqueued on the current stream.
+/// See Note [Inputs that alias other static buffers]. Returns how many it
+/// cloned.
+size_t clone_cross_aliases(std::vector<at::Tensor>& tensors,
+                           const std::vector<at::Tensor>& buffers);
+
 /// Static input buffers: one per tensor of the sample inputs.
 ///
 /// Note [Static input buffers]
@@ -52,7 +76,9 @@ class StaticInputs {
   const std::vector<at::Tensor>& buffers() const { return buffers_; }
 
   /// Copies each of `tensors` into its buffer, skipping tensors that are the
-  /// buffer itself; enqueued on the current stream. Returns how many it copied.
+  /// buffer itself; enqueued on the current stream. Tensors that alias
+  /// another input's buffer are read before any buffer is written (Note
+  /// [Inputs that alias other static buffers]). Returns how many it copied.
   size_t load(const std::vector<at::Tensor>& tensors);
 
   /// Starts watching the buffers for writes by the function.

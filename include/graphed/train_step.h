@@ -90,6 +90,12 @@ struct TrainStepOptions {
   /// warm-up and restored after capture, on success and on failure, so the
   /// first step() is exactly the first step eager training would take.
   std::vector<at::Tensor> state;
+  /// Reads, as they are now, the parameters and buffers of the modules the
+  /// iteration trains (from the modules, not from `state`), so that a step
+  /// whose module was given other tensors after capture raises instead of
+  /// training tensors the module no longer holds (Note [Tensors a graph reads
+  /// in place]). Unset to skip the check.
+  std::function<std::vector<at::Tensor>()> read_parameters;
   /// Names of the batch values in messages; "batch" for one value,
   /// "batch[0]", "batch[1]"... for several.
   std::vector<std::string> batch_names;
@@ -111,7 +117,9 @@ struct TrainStepParts {
   TrainStepFunction loss;
   /// The optimizer; its parameters are what the iteration trains.
   std::shared_ptr<CapturableOptimizer> optimizer;
-  /// Buffers the forward updates (BatchNorm statistics), restored after capture.
+  /// Buffers the forward updates (BatchNorm statistics), restored after capture,
+  /// and restored on the device after a skipped step (Note [Buffers of a
+  /// skipped step]).
   std::vector<at::Tensor> buffers;
   /// Microbatches per iteration: the batch is split along dim 0 and their
   /// gradients accumulate.
@@ -137,8 +145,9 @@ class TrainStep {
   /// graphed.TrainStep.from_parts: gradients dropped (the backward writes them
   /// fresh), forward and backward over each microbatch with the loss divided
   /// by their number (scaled for fp16), then GradientGuard::process (unscale,
-  /// non-finite check, clipping), the optimizer step (skipped on the device
-  /// for non-finite steps) and the loss-scale update. The step returns the
+  /// non-finite check, clipping, and the buffers put back when the step is
+  /// skipped), the optimizer step (skipped on the device for non-finite
+  /// steps) and the loss-scale update. The step returns the
   /// summed microbatch losses. `options.state` may add tensors; the parts'
   /// own state is included.
   static TrainStep from_parts(TrainStepParts parts, std::vector<c10::IValue> sample_batch,

@@ -67,7 +67,9 @@ def capture(
 
     Args:
         fn: a function or ``torch.nn.Module``. A module's buffers are restored
-            after warm-up, and calls fail if its ``training`` flag changes.
+            after warm-up, and calls fail if its ``training`` flag changes or
+            its parameters or buffers were replaced or moved (``.double()``,
+            ``.to()``, ``.data =``): the graph would read stale or freed memory.
         sample_args, sample_kwargs: inputs of the shapes future calls will use.
         warmup: eager runs before capture (at least 1).
         pool: a handle from :func:`graph_pool_handle` or another capture's
@@ -91,10 +93,15 @@ def capture(
     """
     state = []
     guards = []
+    tensor_dicts = None
     if isinstance(fn, torch.nn.Module):
         module = fn
         state = [buffer for buffer in module.buffers()]
         guards = [("module.training", lambda: module.training)]
+        # Each call checks that the graph's parameters and buffers were not
+        # replaced or moved (Note [Tensors a graph reads in place]).
+        submodules = list(module.modules())
+        tensor_dicts = [m._parameters for m in submodules] + [m._buffers for m in submodules]
     return _C.capture(
         fn,
         tuple(sample_args),
@@ -107,4 +114,5 @@ def capture(
         guards,
         _describe(fn),
         input_update,
+        tensor_dicts,
     )

@@ -335,6 +335,9 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
             f"a device flag: fused Adam, AdamW or SGD; got {type(optimizer).__name__}. "
             "Use one of those, or skip_nonfinite=False.")
     guard = _C.GradientGuard(device, skip_nonfinite, clip_grad_norm, scaling)
+    # A skipped step leaves the buffers as they were too (BatchNorm statistics):
+    # Note [Buffers of a skipped step] in include/graphed/grad_guard.h.
+    guard.protect_buffers(list(model.buffers()))
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -346,6 +349,7 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
             return batch_loss(model, loss_fn, micro_batch, extra_kwargs)
 
     def iteration(batch: Any) -> torch.Tensor:
+        guard.begin_step()
         optimizer.zero_grad(set_to_none=True)
         total = None
         for micro_batch in split_batch(batch, microbatches):
@@ -433,9 +437,14 @@ class TrainStep:
         self.notes: List[str] = []
         tensors = training_state(self.modules, self.optimizers, state)
         known = {id(t) for t in tensors}
+        # Each step checks that the modules still hold the tensors the graph
+        # trains (Note [Tensors a graph reads in place]).
+        submodules = [m for module in self.modules for m in module.modules()]
+        tensor_dicts = [m._parameters for m in submodules] + [m._buffers for m in submodules]
         self._core = _C.TrainStep(step_fn, sample_batch, warmup,
                                   None if pool is None else tuple(pool), capture_error_mode,
-                                  tensors, clone_loss, _describe(step_fn), hooked)
+                                  tensors, clone_loss, _describe(step_fn), hooked,
+                                  tensor_dicts=tensor_dicts)
         if hooked is not None:
             distributed.register(self)
         _reset_lazy_state(self.optimizers, known)
@@ -467,7 +476,8 @@ class TrainStep:
         (under ``amp``: ``"bf16"`` autocast, or ``"fp16"`` autocast with dynamic
         loss scaling), ``loss_fn(output, targets) / microbatches``, backward;
         then the non-finite check (``skip_nonfinite``: a step whose loss or
-        gradients are not finite leaves weights and optimizer state untouched),
+        gradients are not finite leaves weights, optimizer state and the
+        model's buffers, such as BatchNorm statistics, untouched),
         clipping to ``clip_grad_norm``, the optimizer step, and the loss-scale
         update. Returns the mean loss. ``model`` may be a DistributedDataParallel
         (see the class documentation)."""

@@ -11,33 +11,6 @@ namespace py = pybind11;
 namespace graphed::python {
 namespace {
 
-// The parameters of a module as a list walked from its `_parameters` dicts
-// (the modules are collected once, at graphing), for the check that they did
-// not change. Walking the dicts from C++ costs far less than
-// module.parameters() per call.
-std::function<std::vector<at::Tensor>()> read_parameters_of(const py::list& parameter_dicts) {
-  std::vector<py::object> dicts;
-  for (const py::handle dict : parameter_dicts) {
-    dicts.push_back(py::reinterpret_borrow<py::object>(dict));
-  }
-  auto held = std::make_shared<std::vector<py::object>>(std::move(dicts));
-  return [held]() {
-    py::gil_scoped_acquire gil;
-    std::vector<at::Tensor> parameters;
-    for (const py::object& dict : *held) {
-      PyObject* key = nullptr;
-      PyObject* value = nullptr;
-      Py_ssize_t position = 0;
-      while (PyDict_Next(dict.ptr(), &position, &key, &value)) {
-        if (THPVariable_Check(value)) {
-          parameters.push_back(THPVariable_Unpack(value));
-        }
-      }
-    }
-    return parameters;
-  };
-}
-
 std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables_python(
     const py::list& callables, const py::list& samples, int warmup, bool allow_unused_input,
     const py::object& pool, std::vector<int64_t> order, const std::string& capture_error_mode) {
@@ -52,7 +25,7 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables_python(
       callable.training = spec["training"].cast<bool>();
     }
     if (!spec["parameter_dicts"].is_none()) {
-      callable.read_parameters = read_parameters_of(spec["parameter_dicts"]);
+      callable.read_parameters = read_tensors_of(spec["parameter_dicts"]);
     }
     callable.description = spec["description"].cast<std::string>();
     graphables.push_back(std::move(callable));

@@ -69,8 +69,11 @@ std::shared_ptr<CapturedFunction> capture_python(
     py::object function, const py::tuple& args, const py::dict& kwargs, int warmup,
     const py::object& pool, const std::string& capture_error_mode, bool clone_outputs,
     std::vector<at::Tensor> state, const std::vector<std::pair<std::string, py::object>>& guards,
-    std::string description, const std::string& input_update) {
+    std::string description, const std::string& input_update, const py::object& tensor_dicts) {
   CaptureOptions options;
+  if (!tensor_dicts.is_none()) {
+    options.read_parameters = read_tensors_of(tensor_dicts.cast<py::list>());
+  }
   options.input_update = parse_input_update(input_update);
   options.warmup_iters = warmup;
   options.pool = pool_from_python(pool);
@@ -142,7 +145,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("capture", &capture_python, py::arg("function"), py::arg("args"), py::arg("kwargs"),
         py::arg("warmup"), py::arg("pool"), py::arg("capture_error_mode"),
         py::arg("clone_outputs"), py::arg("state"), py::arg("guards"), py::arg("description"),
-        py::arg("input_update") = "copy");
+        py::arg("input_update") = "copy", py::arg("tensor_dicts") = py::none());
 
   py::class_<CapturedFunction, std::shared_ptr<CapturedFunction>>(
       m, "CapturedFunction",

@@ -1,5 +1,7 @@
 #include "python_values.h"
 
+#include "graphed/check.h"
+
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -340,6 +342,32 @@ std::function<void()> wrap_procedure(py::object function) {
   return [held]() {
     py::gil_scoped_acquire gil;
     (*held)();
+  };
+}
+
+std::function<std::vector<at::Tensor>()> read_tensors_of(const py::list& tensor_dicts) {
+  for (const py::handle dict : tensor_dicts) {
+    GRAPHED_CHECK(PyDict_Check(dict.ptr()), "Expected a list of dicts of tensors (modules' "
+                  "_parameters and _buffers), got an element of type ",
+                  Py_TYPE(dict.ptr())->tp_name, ". Pass [m._parameters for m in "
+                  "module.modules()].");
+  }
+  // A copy of the list (of the dicts themselves), released with the GIL.
+  std::shared_ptr<py::object> held = share(py::list(tensor_dicts));
+  return [held]() {
+    py::gil_scoped_acquire gil;
+    std::vector<at::Tensor> tensors;
+    for (const py::handle dict : py::reinterpret_borrow<py::list>(*held)) {
+      PyObject* key = nullptr;
+      PyObject* value = nullptr;
+      Py_ssize_t position = 0;
+      while (PyDict_Next(dict.ptr(), &position, &key, &value)) {
+        if (THPVariable_Check(value)) {
+          tensors.push_back(THPVariable_Unpack(value));
+        }
+      }
+    }
+    return tensors;
   };
 }
 

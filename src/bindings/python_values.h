@@ -43,6 +43,12 @@ CapturableFunction wrap_single_argument_call(py::object function);
 // exception propagates unchanged.
 std::function<void()> wrap_procedure(py::object function);
 
+// The tensors of a module as a list walked from its `_parameters` (and
+// `_buffers`) dicts, given once, at graphing, for the check that they did not
+// change (Note [Tensors a graph reads in place]). Walking the dicts from C++
+// costs far less than module.parameters() per call.
+std::function<std::vector<at::Tensor>()> read_tensors_of(const py::list& tensor_dicts);
+
 // A core guard reading `read()` with the GIL held.
 CaptureGuard wrap_guard(std::string name, py::object read);
 

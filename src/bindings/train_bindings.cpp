@@ -15,8 +15,12 @@ std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sa
                                            std::vector<at::Tensor> state, bool clone_loss,
                                            std::string description,
                                            std::optional<std::vector<at::Tensor>> collective_params,
-                                           std::string collective_issuer) {
+                                           std::string collective_issuer,
+                                           const py::object& tensor_dicts) {
   TrainStepOptions options;
+  if (!tensor_dicts.is_none()) {
+    options.read_parameters = read_tensors_of(tensor_dicts.cast<py::list>());
+  }
   options.warmup_iters = warmup;
   options.pool = pool_from_python(pool);
   options.error_mode = parse_capture_error_mode(capture_error_mode);
@@ -41,7 +45,8 @@ void register_training(py::module_& m) {
       .def(py::init(&make_train_step), py::arg("step"), py::arg("sample_batch"),
            py::arg("warmup"), py::arg("pool"), py::arg("capture_error_mode"), py::arg("state"),
            py::arg("clone_loss"), py::arg("description"), py::arg("collective_params") = py::none(),
-           py::arg("collective_issuer") = "DistributedDataParallel")
+           py::arg("collective_issuer") = "DistributedDataParallel",
+           py::arg("tensor_dicts") = py::none())
       .def(
           "step",
           [](TrainStep& self, const py::object& batch) {
@@ -115,6 +120,11 @@ void register_training(py::module_& m) {
       .def("scale_loss", &GradientGuard::scale_loss)
       .def("process", &GradientGuard::process, py::arg("loss"), py::arg("grads"))
       .def("after_step", &GradientGuard::after_step)
+      .def("protect_buffers", &GradientGuard::protect_buffers, py::arg("buffers"),
+           "Buffers a skipped step must leave as they were (BatchNorm statistics).")
+      .def("begin_step", &GradientGuard::begin_step,
+           "Snapshots the protected buffers; call before the forward of each iteration.")
+      .def_property_readonly("protected_buffers", &GradientGuard::protected_buffers)
       .def_property_readonly("can_skip", &GradientGuard::can_skip)
       .def_property_readonly("skipped_steps", &GradientGuard::skipped_steps)
       .def_property_readonly("loss_scale", &GradientGuard::loss_scale)

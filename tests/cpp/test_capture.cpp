@@ -192,5 +192,47 @@ TEST_F(CaptureOnGpu, DropoutDiffersBetweenReplaysWithTheRightKeepRate) {
   EXPECT_NEAR(kept, 0.75, 0.005);
 }
 
+// Note [Tensors a graph reads in place]: the weight the graph reads, given
+// other storage or replaced after capture, makes calls raise; values changed
+// in place are followed.
+TEST_F(CaptureOnGpu, ParametersMovedOrReplacedAfterCaptureRaise) {
+  at::Tensor weight = at::randn({4, 4}, cuda_floats());
+  auto current = std::make_shared<at::Tensor>(weight);
+  CaptureOptions options;
+  options.read_parameters = [current] { return std::vector<at::Tensor>{*current}; };
+  const at::Tensor x = at::randn({4, 4}, cuda_floats());
+  CapturedFunction fast = capture(
+      [current](const std::vector<IValue>& inputs) -> IValue {
+        return at::mm(inputs[0].toTensor(), *current);
+      },
+      {x}, options);
+  weight.mul_(2);
+  EXPECT_TRUE(at::allclose(fast({x}).toTensor(), at::mm(x, weight)));
+
+  *current = at::randn({4, 4}, cuda_floats());  // replaced
+  EXPECT_THROW_WITH(fast({x}), Error, "parameter or buffer 0 ((4, 4) float32 cuda:0 at capture) "
+                                      "was replaced by another tensor");
+  *current = weight;
+  weight.set_data(at::randn({4, 4}, cuda_floats()));  // moved: the old memory is freed
+  EXPECT_THROW_WITH(fast({x}), Error, "at another address");
+}
+
+TEST_F(CaptureOnGpu, AnOutputThatIsAnInputIsCopiedNotRepointed) {
+  CaptureOptions options;
+  options.input_update = InputUpdate::kRepoint;
+  const at::Tensor x = at::randn({1024}, cuda_floats());
+  CapturedFunction fast = capture(
+      [](const std::vector<IValue>& inputs) -> IValue {
+        const at::Tensor& t = inputs[0].toTensor();
+        return c10::ivalue::Tuple::create({t * 2, t});
+      },
+      {x}, options);
+  EXPECT_EQ(fast.stats().repointable_inputs, 0);
+  const at::Tensor y = at::randn({1024}, cuda_floats());
+  const auto outputs = fast({y}).toTupleRef().elements();
+  EXPECT_TRUE(at::equal(outputs[1].toTensor(), y));
+  EXPECT_TRUE(at::allclose(outputs[0].toTensor(), y * 2));
+}
+
 }  // namespace
 }  // namespace graphed

@@ -6,6 +6,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <limits>
+
 namespace graphed {
 namespace {
 
@@ -78,6 +81,131 @@ TEST(GradGuardOnGpu, LossScalingUnscalesAndBacksOff) {
     guard.after_step();
   }
   EXPECT_EQ(guard.loss_scale(), 1024.0) << "two finite steps in a row grow the scale";
+}
+
+// Note [Buffers of a skipped step]: the snapshot and the device-side restore
+// are plain ATen work, so they are checked here on CPU tensors.
+std::vector<at::Tensor> bn_like_buffers() {
+  at::Tensor mean = at::arange(4, at::kFloat);
+  at::Tensor var = at::ones({4}, at::kFloat);
+  at::Tensor tracked = at::full({}, 7, at::kLong);
+  at::Tensor half = at::full({3}, 0.5, at::kHalf);
+  at::Tensor mask = at::zeros({2}, at::kBool);
+  mask[0] = true;
+  return {mean, var, tracked, half, mask};
+}
+
+std::vector<at::Tensor> shadows_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> shadows;
+  for (const at::Tensor& t : tensors) {
+    shadows.push_back(at::empty_like(t));
+  }
+  return shadows;
+}
+
+// What a bad forward does to BatchNorm's buffers: NaN statistics, one more batch.
+void poison(const std::vector<at::Tensor>& buffers) {
+  buffers[0].fill_(std::numeric_limits<float>::quiet_NaN());
+  buffers[1][2] = INFINITY;
+  buffers[2].add_(1);
+  buffers[3].fill_(std::numeric_limits<float>::quiet_NaN());
+  buffers[4].logical_not_();
+}
+
+TEST(GradGuard, SkippedStepRestoresBuffersBitForBit) {
+  const std::vector<at::Tensor> buffers = bn_like_buffers();
+  std::vector<at::Tensor> before;
+  for (const at::Tensor& b : buffers) {
+    before.push_back(b.clone());
+  }
+  const std::vector<at::Tensor> shadows = shadows_of(buffers);
+  snapshot_tensors(buffers, shadows);
+  poison(buffers);
+  const std::vector<void*> addresses{buffers[0].data_ptr(), buffers[2].data_ptr()};
+  restore_tensors_if(at::ones({}, at::kFloat), buffers, shadows);
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    EXPECT_TRUE(at::equal(buffers[i], before[i])) << "buffer " << i;
+  }
+  EXPECT_EQ(buffers[2].item<int64_t>(), 7) << "int64 counters are restored exactly";
+  EXPECT_EQ(buffers[0].data_ptr(), addresses[0]) << "restored in place: the graph's address";
+  EXPECT_EQ(buffers[2].data_ptr(), addresses[1]);
+}
+
+TEST(GradGuard, GoodStepKeepsTheNewBufferValuesBitForBit) {
+  const std::vector<at::Tensor> buffers = bn_like_buffers();
+  const std::vector<at::Tensor> shadows = shadows_of(buffers);
+  snapshot_tensors(buffers, shadows);
+  poison(buffers);  // a good step's update, here with NaNs, must survive as it is
+  std::vector<at::Tensor> updated;
+  for (const at::Tensor& b : buffers) {
+    updated.push_back(b.clone());
+  }
+  restore_tensors_if(at::zeros({}, at::kFloat), buffers, shadows);
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    // NaN != NaN: compare the bits.
+    EXPECT_TRUE(at::equal(buffers[i].reshape({-1}).view(at::kByte),
+                          updated[i].reshape({-1}).view(at::kByte)))
+        << "buffer " << i;
+  }
+  EXPECT_EQ(buffers[2].item<int64_t>(), 8);
+}
+
+TEST(GradGuard, RestoreTakesBoolAndOneElementFlags) {
+  at::Tensor counter = at::full({2}, 3, at::kLong);
+  const std::vector<at::Tensor> tensors{counter};
+  const std::vector<at::Tensor> shadows = shadows_of(tensors);
+  snapshot_tensors(tensors, shadows);
+  counter.add_(5);
+  restore_tensors_if(at::zeros({1}, at::kBool), tensors, shadows);
+  EXPECT_TRUE(at::equal(counter, at::full({2}, 8, at::kLong)));
+  restore_tensors_if(at::ones({1}, at::kBool), tensors, shadows);
+  EXPECT_TRUE(at::equal(counter, at::full({2}, 3, at::kLong)));
+}
+
+TEST(GradGuard, MismatchedShadowsAndFlagsAreExplained) {
+  const std::vector<at::Tensor> tensors{at::zeros({4})};
+  EXPECT_THROW_WITH(snapshot_tensors(tensors, {}), Error, "Expected one shadow per tensor");
+  EXPECT_THROW_WITH(snapshot_tensors(tensors, {at::zeros({4}, at::kDouble)}), Error,
+                    "Allocate the shadows with empty_like(tensor)");
+  EXPECT_THROW_WITH(restore_tensors_if(at::zeros({2}), tensors, {at::zeros({4})}), Error,
+                    "Expected the skip flag to be a tensor with one element");
+}
+
+TEST(GradGuardOnGpu, ProtectedBuffersComeBackAfterASkippedStep) {
+  GRAPHED_REQUIRE_GPU();
+  GradientGuardOptions options;
+  options.skip_nonfinite = true;
+  GradientGuard guard(c10::Device(c10::kCUDA, 0), options);
+  at::Tensor mean = at::zeros({4}, cuda_floats());
+  at::Tensor tracked = at::zeros({}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
+  at::Tensor cpu_buffer = at::zeros({2});
+  guard.protect_buffers({mean, tracked, mean, cpu_buffer});
+  ASSERT_EQ(guard.protected_buffers().size(), 2u) << "repeats and CPU buffers are left out";
+  std::vector<at::Tensor> grads{at::ones({4}, cuda_floats())};
+  const at::Tensor loss = at::ones({}, cuda_floats());
+
+  guard.begin_step();  // a good step: its updates stay
+  mean.add_(1);
+  tracked.add_(1);
+  EXPECT_EQ(guard.process(loss, grads).item<float>(), 0.0f);
+  EXPECT_TRUE(at::equal(mean, at::ones({4}, cuda_floats())));
+  EXPECT_EQ(tracked.item<int64_t>(), 1);
+
+  guard.begin_step();  // a bad step: undone
+  mean.fill_(std::numeric_limits<float>::quiet_NaN());
+  tracked.add_(1);
+  EXPECT_EQ(guard.process(at::full({}, NAN, cuda_floats()), grads).item<float>(), 1.0f);
+  EXPECT_TRUE(at::equal(mean, at::ones({4}, cuda_floats())));
+  EXPECT_EQ(tracked.item<int64_t>(), 1);
+}
+
+TEST(GradGuardOnGpu, GuardsThatCannotSkipProtectNothing) {
+  GRAPHED_REQUIRE_GPU();
+  GradientGuardOptions options;
+  options.clip_grad_norm = 1.0;
+  GradientGuard guard(c10::Device(c10::kCUDA, 0), options);
+  guard.protect_buffers({at::zeros({4}, cuda_floats())});
+  EXPECT_TRUE(guard.protected_buffers().empty());
 }
 
 }  // namespace

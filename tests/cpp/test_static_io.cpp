@@ -70,6 +70,39 @@ TEST(StaticInputs, LoadAcceptsOtherStrides) {
   EXPECT_TRUE(at::equal(inputs.buffers()[0], transposed));
 }
 
+// Note [Inputs that alias other static buffers]: the buffers swapped (a
+// function returning its inputs in the other order, fed back in), and a view
+// of another input's buffer. Without cloning first, the first copy would
+// overwrite the second input's value before it is read.
+TEST(StaticInputs, LoadReadsInputsThatAliasOtherBuffersBeforeWritingAny) {
+  StaticInputs inputs({IValue(at::full({3}, 1.0)), IValue(at::full({3}, 2.0))});
+  const std::vector<at::Tensor> buffers = inputs.buffers();
+  EXPECT_FALSE(any_cross_alias({buffers[0], buffers[1]}, buffers)) << "each its own buffer";
+  EXPECT_TRUE(any_cross_alias({buffers[1], buffers[0]}, buffers));
+  EXPECT_EQ(inputs.load({buffers[1], buffers[0]}), 2u);
+  EXPECT_TRUE(at::equal(buffers[0], at::full({3}, 2.0)));
+  EXPECT_TRUE(at::equal(buffers[1], at::full({3}, 1.0)));
+
+  const at::Tensor fresh = at::full({3}, 5.0);
+  const at::Tensor view_of_first = buffers[0].view({3});  // holds 2.0
+  EXPECT_EQ(inputs.load({fresh, view_of_first}), 2u);
+  EXPECT_TRUE(at::equal(buffers[0], fresh));
+  EXPECT_TRUE(at::equal(buffers[1], at::full({3}, 2.0))) << "read before buffer 0 was written";
+}
+
+TEST(StaticInputs, CloneCrossAliasesClonesOnlyInputsOfOtherBuffers) {
+  const std::vector<at::Tensor> buffers{at::zeros({2}), at::ones({2})};
+  const at::Tensor other = at::full({2}, 3.0);
+  std::vector<at::Tensor> tensors{buffers[0], buffers[0]};
+  EXPECT_EQ(clone_cross_aliases(tensors, buffers), 1u);
+  EXPECT_TRUE(tensors[0].is_same(buffers[0])) << "a buffer passed at its own index stays itself";
+  EXPECT_FALSE(tensors[1].is_same(buffers[0]));
+  EXPECT_TRUE(at::equal(tensors[1], buffers[0]));
+  tensors = {other, buffers[1]};
+  EXPECT_EQ(clone_cross_aliases(tensors, buffers), 0u);
+  EXPECT_TRUE(tensors[0].is_same(other));
+}
+
 TEST(StaticInputs, MutationWatchFindsInPlaceWritesAndStoresThemBack) {
   StaticInputs inputs({pair(at::zeros({2}), at::zeros({2}))});
   inputs.start_mutation_watch();

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <utility>
 
 namespace graphed {
@@ -185,6 +186,70 @@ TEST(TrainStepOnGpu, FromPartsAccumulatesMicrobatchesAndSkipsNonFiniteSteps) {
   (void)step.step({batch_of(bad_x, at::randn({8, 1}, options))});
   EXPECT_TRUE(at::equal(layer->weight.detach(), weight));
   EXPECT_EQ(step.guard()->skipped_steps(), 1);
+}
+
+// Note [Buffers of a skipped step]: TrainStepParts::buffers (BatchNorm's
+// statistics and counter) come out of a skipped step bit-identical.
+TEST(TrainStepOnGpu, FromPartsSkippedStepLeavesTheBuffersAlone) {
+  GRAPHED_REQUIRE_GPU();
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  torch::manual_seed(5);
+  torch::nn::Linear layer(8, 4);
+  torch::nn::BatchNorm1d norm(4);
+  layer->to(torch::kCUDA);
+  norm->to(torch::kCUDA);
+  std::vector<at::Tensor> params = layer->parameters();
+  for (const at::Tensor& p : norm->parameters()) {
+    params.push_back(p);
+  }
+  TrainStepParts parts;
+  parts.loss = [&](const std::vector<IValue>& batch) -> IValue {
+    const auto& pair = batch[0].toTupleRef().elements();
+    return torch::mse_loss(norm->forward(layer->forward(pair[0].toTensor())),
+                           pair[1].toTensor());
+  };
+  parts.optimizer = std::make_shared<CapturableAdamW>(params, AdamWOptions{1e-2});
+  parts.buffers = norm->buffers();
+  parts.guard.skip_nonfinite = true;
+  TrainStep step = TrainStep::from_parts(
+      parts, {batch_of(at::randn({16, 8}, options), at::randn({16, 4}, options))});
+  ASSERT_EQ(step.guard()->protected_buffers().size(), 3u);
+  (void)step.step({batch_of(at::randn({16, 8}, options), at::randn({16, 4}, options))});
+  std::vector<at::Tensor> before;
+  for (const at::Tensor& b : norm->buffers()) {
+    before.push_back(b.clone());
+  }
+  const at::Tensor weight = layer->weight.detach().clone();
+  at::Tensor bad_x = at::randn({16, 8}, options);
+  bad_x[3][1] = std::numeric_limits<float>::quiet_NaN();
+  (void)step.step({batch_of(bad_x, at::randn({16, 4}, options))});
+  EXPECT_EQ(step.guard()->skipped_steps(), 1);
+  EXPECT_TRUE(at::equal(layer->weight.detach(), weight));
+  const std::vector<at::Tensor> after = norm->buffers();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_TRUE(at::equal(after[i], before[i])) << "buffer " << i;
+  }
+  EXPECT_EQ(norm->num_batches_tracked.item<int64_t>(), 1);
+}
+
+// Note [Tensors a graph reads in place]: a state tensor given other storage
+// after capture (what module.to(dtype) does) makes the step raise.
+TEST(TrainStepOnGpu, StateMovedAfterCaptureRaisesInsteadOfReplaying) {
+  GRAPHED_REQUIRE_GPU();
+  Regression model(1);
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  const IValue batch = batch_of(at::randn({16, 8}, options), at::randn({16, 1}, options));
+  TrainStepOptions step_options;
+  step_options.state = model.state();
+  TrainStep step([&](const std::vector<IValue>& b) { return model.iteration(b); }, {batch},
+                 step_options);
+  (void)step.step({batch});
+  {
+    c10::NoGradGuard no_grad;
+    model.layer->weight.set_data(model.layer->weight.detach().to(at::kDouble));
+  }
+  EXPECT_THROW_WITH(step.step({batch}), Error, "at another address");
 }
 
 // Note [Capturing collectives]: the options are checked before any warm-up,

@@ -62,3 +62,11 @@ def test_capture_needs_a_gpu_when_inputs_allow_it():
 def test_unknown_input_update_lists_the_valid_ones():
     with pytest.raises(graphed.GraphedError, match='"copy", "repoint" or "auto", got "move"'):
         graphed.capture(double, torch.ones(2), input_update="move")
+
+
+def test_module_tensor_dicts_must_be_dicts():
+    # graphed.capture passes a module's _parameters and _buffers dicts (Note [Tensors a
+    # graph reads in place]); anything else is refused before any capture work.
+    with pytest.raises(graphed.GraphedError, match="Expected a list of dicts of tensors"):
+        graphed._C.capture(double, (torch.ones(2),), {}, 1, None, "global", False, [], [],
+                           "function `double`", "copy", [1])
