@@ -30,6 +30,7 @@ from graphed import measure  # noqa: E402
 from graphed.train import batch_loss, training_iteration  # noqa: E402
 
 import zoo_models  # noqa: E402
+from zoo_report import markdown  # noqa: E402,F401 - bench/run.py formats through zoo
 
 #: Batch sizes the inference rows cycle through (as the decode workload does).
 CYCLE = (1, 3, 5, 8, 13, 21, 32, 47, 64)
@@ -244,34 +245,6 @@ def run(quick: bool = False, models: Optional[List[str]] = None) -> Dict[str, An
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     return results
-
-
-def markdown(zoo: Dict[str, Any]) -> str:
-    def ms(record, key):
-        value = record.get(key)
-        return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
-
-    lines = ["### zoo: training step (ms; speedup over eager)", "",
-             "| model | eager | TrainStep | auto | optimize (applied) | advise predicted | "
-             "auto fallbacks | check findings |", "|---|---:|---:|---:|---|---:|---:|---:|"]
-    for name, r in zoo["models"].items():
-        if "error" in r and "eager_ms" not in r:
-            lines.append(f"| {name} | error | | | | | | |")
-            continue
-        opt = (f"{ms(r, 'optimize_ms')} ({'yes' if r.get('optimize_applied') else 'no'})")
-        lines.append(
-            f"| {name} | {ms(r, 'eager_ms')} | {ms(r, 'trainstep_ms')} "
-            f"({r.get('trainstep_speedup', '-')}x) | {ms(r, 'auto_ms')} "
-            f"({r.get('auto_speedup', '-')}x) | {opt} | {ms(r, 'advise_predicted_ms')} | "
-            f"{len(r.get('auto_fallbacks', []))} | {len(r.get('check_findings', []))} |")
-    lines += ["", "### zoo: inference (ms per call)", "",
-              "| model | eager | capture | cycle 1..64 eager | cycle auto | auto graphs | "
-              "auto MB |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, r in zoo["models"].items():
-        lines.append(f"| {name} | {ms(r, 'infer_eager_ms')} | {ms(r, 'infer_capture_ms')} | "
-                     f"{ms(r, 'infer_cycle_eager_ms')} | {ms(r, 'infer_cycle_auto_ms')} | "
-                     f"{r.get('infer_auto_graphs', '-')} | {ms(r, 'infer_auto_graph_mb')} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> int:

@@ -95,6 +95,9 @@ def main(out, bench_name="h200.json"):
         if "apis" in data:
             print(f"| {workload} | see the soak table | | | | | |")
             continue
+        if "models" in data:
+            print(f"| {workload} | see the zoo tables | | | | | |")
+            continue
         if "host_us" in data:
             for case, us in data["host_us"].items():
                 print(f"| {workload} | {case} | {us:.2f} us host | | | | |")
@@ -109,6 +112,9 @@ def main(out, bench_name="h200.json"):
     for data in results["workloads"].values():
         if "apis" in data:
             soak_rows(data)
+        if "models" in data:
+            print()
+            print(_zoo_markdown(data))
     if results.get("advice"):
         print("\n| advice | predicted ms | measured ms | error |")
         print("|---|---:|---:|---:|")
@@ -118,6 +124,13 @@ def main(out, bench_name="h200.json"):
             else:
                 print(f"| {workload} ({entry['method']}) | {entry['predicted_ms']:.4f} | "
                       f"{entry['measured_ms']:.4f} | {100 * entry['rel_error']:+.1f}% |")
+
+
+def _zoo_markdown(data):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import zoo_report  # bench/zoo.py's tables, without importing graphed
+
+    return zoo_report.markdown(data)
 
 
 if __name__ == "__main__":
