@@ -206,24 +206,26 @@ def timm_convnext(size: str) -> ZooModel:
     return _vision("timm_convnext_t", "timm", model, 4, 64, 10, _adamw, "tiny ConvNeXt", False)
 
 
-def resnet18(size: str) -> ZooModel:
+def _torchvision(name: str, architecture: str, size: str, bench_side: int,
+                 make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                 label: str) -> ZooModel:
     import torchvision
 
-    model = torchvision.models.resnet18(num_classes=1000 if size == "bench" else 10)
-    batch, side = (16, 128) if size == "bench" else (4, 64)
-    return _vision("tv_resnet18", "torchvision", model, batch, side,
-                   1000 if size == "bench" else 10, _sgd_momentum,
-                   f"ResNet-18 (BatchNorm, SGD momentum), {batch}x3x{side}x{side}", False)
+    classes = 1000 if size == "bench" else 10
+    model = getattr(torchvision.models, architecture)(num_classes=classes)
+    batch, side = (16, bench_side) if size == "bench" else (4, 64)
+    return _vision(name, "torchvision", model, batch, side, classes, make_optimizer,
+                   f"{label}, {batch}x3x{side}x{side}", False)
+
+
+def resnet18(size: str) -> ZooModel:
+    return _torchvision("tv_resnet18", "resnet18", size, 128, _sgd_momentum,
+                        "ResNet-18 (BatchNorm, SGD momentum)")
 
 
 def mobilenet_v3(size: str) -> ZooModel:
-    import torchvision
-
-    model = torchvision.models.mobilenet_v3_small(num_classes=1000 if size == "bench" else 10)
-    batch, side = (16, 224) if size == "bench" else (4, 64)
-    return _vision("tv_mobilenet_v3", "torchvision", model, batch, side,
-                   1000 if size == "bench" else 10, _adamw,
-                   f"MobileNetV3-Small, {batch}x3x{side}x{side}", False)
+    return _torchvision("tv_mobilenet_v3", "mobilenet_v3_small", size, 224, _adamw,
+                        "MobileNetV3-Small")
 
 
 BUILDERS: Dict[str, Callable[[str], ZooModel]] = {

@@ -88,19 +88,28 @@ const void* storage_address(const at::Tensor& tensor) {
   return tensor.storage().data();
 }
 
+// Whether tensors[i] shares storage with a buffer other than its own.
+bool aliases_another_buffer(const std::vector<at::Tensor>& tensors,
+                            const std::vector<at::Tensor>& buffers, size_t i) {
+  const void* address = storage_address(tensors[i]);
+  if (address == nullptr) {
+    return false;
+  }
+  for (size_t j = 0; j < buffers.size(); ++j) {
+    if (j != i && storage_address(buffers[j]) == address) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 bool any_cross_alias(const std::vector<at::Tensor>& tensors,
                      const std::vector<at::Tensor>& buffers) {
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const void* address = storage_address(tensors[i]);
-    if (address == nullptr) {
-      continue;
-    }
-    for (size_t j = 0; j < buffers.size(); ++j) {
-      if (j != i && storage_address(buffers[j]) == address) {
-        return true;
-      }
+    if (aliases_another_buffer(tensors, buffers, i)) {
+      return true;
     }
   }
   return false;
@@ -113,17 +122,10 @@ size_t clone_cross_aliases(std::vector<at::Tensor>& tensors,
   // See Note [Inputs that alias other static buffers].
   size_t cloned = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const void* address = storage_address(tensors[i]);
-    if (address == nullptr) {
-      continue;
-    }
-    for (size_t j = 0; j < buffers.size(); ++j) {
-      if (j != i && storage_address(buffers[j]) == address) {
-        c10::NoGradGuard no_grad;
-        tensors[i] = tensors[i].clone(at::MemoryFormat::Preserve);
-        ++cloned;
-        break;
-      }
+    if (aliases_another_buffer(tensors, buffers, i)) {
+      c10::NoGradGuard no_grad;
+      tensors[i] = tensors[i].clone(at::MemoryFormat::Preserve);
+      ++cloned;
     }
   }
   return cloned;

@@ -26,3 +26,15 @@ def _settle_gpu(request):
     yield
     if gpu:
         torch.cuda.synchronize()
+
+
+@pytest.fixture
+def exact_fp32():
+    """TF32 off for matmuls and convolutions while a test runs, so graphed and
+    eager results compare at fp32 tolerances. Use with
+    ``pytest.mark.usefixtures("exact_fp32")``."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

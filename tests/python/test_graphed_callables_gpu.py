@@ -20,16 +20,7 @@ from torch import nn
 import graphed
 from graphed import workloads
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
 
 class MLP(nn.Module):

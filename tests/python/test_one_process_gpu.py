@@ -15,17 +15,9 @@ from torch import nn
 
 import graphed
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
 WIDTH, BATCH = 64, 16
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def mlp(seed):
