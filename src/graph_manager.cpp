@@ -796,12 +796,17 @@ size_t GraphManager::add_module(ModuleSpec spec) {
   return modules_.size() - 1;
 }
 
-std::vector<std::string> GraphManager::input_names(size_t count) const {
-  // Python passes (args, kwargs, module.training); see python/graphed/auto.py.
-  if (count == 3) return {"args", "kwargs", "module.training"};
-  std::vector<std::string> names;
-  for (size_t i = 0; i < count; ++i) names.push_back(c10::str("inputs[", i, "]"));
-  return names;
+const std::vector<std::string>& GraphManager::input_names(size_t count) const {
+  auto [found, inserted] = input_names_.try_emplace(count);
+  if (inserted) {
+    if (count == 3) {
+      // Python passes (args, kwargs, module.training); see python/graphed/auto.py.
+      found->second = {"args", "kwargs", "module.training"};
+    } else {
+      for (size_t i = 0; i < count; ++i) found->second.push_back(c10::str("inputs[", i, "]"));
+    }
+  }
+  return found->second;
 }
 
 PoolId GraphManager::shared_pool() {

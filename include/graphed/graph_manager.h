@@ -449,7 +449,7 @@ class GraphManager {
   void enforce_budget(const Slot& keep);
   void evict(uint64_t id);
   PoolId shared_pool();
-  std::vector<std::string> input_names(size_t count) const;
+  const std::vector<std::string>& input_names(size_t count) const;
 
   GraphManagerOptions options_;
   GraphEntryFactories factories_;
@@ -462,6 +462,8 @@ class GraphManager {
   int depth_ = 0;
   GraphManagerStats counters_;
   std::unordered_map<std::string, size_t> fallback_index_;
+  // input_names() per input count: built once, read on every call.
+  mutable std::unordered_map<size_t, std::vector<std::string>> input_names_;
   mutable std::recursive_mutex mutex_;
 };
 
