@@ -46,7 +46,8 @@ class HeldPythonObject final : public c10::ivalue::PyObjectHolder {
   // none yet (it will, once a layer appends to it).
   std::vector<at::Tensor> extractTensors() override {
     py::gil_scoped_acquire gil;
-    const py::tuple found = structure_function("stateful_tensors")(py::handle(object_)).cast<py::tuple>();
+    const auto found =
+        structure_function("stateful_tensors")(py::handle(object_)).cast<py::tuple>();
     std::vector<at::Tensor> tensors;
     for (py::handle tensor : found[0].cast<py::list>()) {
       tensors.push_back(THPVariable_Unpack(tensor.ptr()));
@@ -76,8 +77,6 @@ std::shared_ptr<py::object> share_object(py::object object) {
 }
 
 namespace {
-
-std::shared_ptr<py::object> share(py::object object) { return share_object(std::move(object)); }
 
 c10::TypePtr dict_key_type(const py::dict& dict) {
   for (const auto& item : dict) {
@@ -320,7 +319,7 @@ c10::IValue call_python(Call&& call) {
 }
 
 CapturableFunction wrap_call(py::object function) {
-  std::shared_ptr<py::object> held = share(std::move(function));
+  std::shared_ptr<py::object> held = share_object(std::move(function));
   return [held](const std::vector<c10::IValue>& inputs) -> c10::IValue {
     return call_python([&] {
       const py::object args = to_python(inputs.at(0));
@@ -331,14 +330,14 @@ CapturableFunction wrap_call(py::object function) {
 }
 
 CapturableFunction wrap_single_argument_call(py::object function) {
-  std::shared_ptr<py::object> held = share(std::move(function));
+  std::shared_ptr<py::object> held = share_object(std::move(function));
   return [held](const std::vector<c10::IValue>& inputs) -> c10::IValue {
     return call_python([&] { return (*held)(to_python(inputs.at(0))); });
   };
 }
 
 std::function<void()> wrap_procedure(py::object function) {
-  std::shared_ptr<py::object> held = share(std::move(function));
+  std::shared_ptr<py::object> held = share_object(std::move(function));
   return [held]() {
     py::gil_scoped_acquire gil;
     (*held)();
@@ -353,7 +352,7 @@ std::function<std::vector<at::Tensor>()> read_tensors_of(const py::list& tensor_
                   "module.modules()].");
   }
   // A copy of the list (of the dicts themselves), released with the GIL.
-  std::shared_ptr<py::object> held = share(py::list(tensor_dicts));
+  std::shared_ptr<py::object> held = share_object(py::list(tensor_dicts));
   return [held]() {
     py::gil_scoped_acquire gil;
     std::vector<at::Tensor> tensors;
@@ -372,7 +371,7 @@ std::function<std::vector<at::Tensor>()> read_tensors_of(const py::list& tensor_
 }
 
 CaptureGuard wrap_guard(std::string name, py::object read) {
-  std::shared_ptr<py::object> held = share(std::move(read));
+  std::shared_ptr<py::object> held = share_object(std::move(read));
   return CaptureGuard{std::move(name), [held]() -> c10::IValue {
                         py::gil_scoped_acquire gil;
                         return to_ivalue((*held)());
