@@ -152,9 +152,9 @@ void Graph::capture(const std::function<void()>& body, const GraphCaptureOptions
     CaptureWatcher watcher(stream.stream());
     try {
       (void)take_exception_stack();
-      torch_graph->capture_begin(options.pool.value_or(PoolId{0, 0}), to_cuda(options.error_mode));
+      torch_graph->begin_capture(options.pool.value_or(PoolId{0, 0}), to_cuda(options.error_mode));
       body();
-      torch_graph->capture_end();
+      torch_graph->end_capture();
     } catch (...) {
       const std::string underlying = current_exception_message();
       const std::vector<SourceFrame> exception_stack = take_exception_stack();

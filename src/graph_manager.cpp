@@ -5,6 +5,7 @@
 #include "graphed/safety_check.h"
 #include "graphed/state_snapshot.h"
 #include "graphed/static_io.h"
+#include "graphed/tensor_identity.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <iomanip>
 #include <sstream>
+#include <unordered_set>
 
 namespace graphed {
 
@@ -742,6 +744,29 @@ struct GraphManager::TrainingRecorder {
   }
 };
 
+namespace {
+
+// Parameters then buffers, as ModuleSpec's readers see them now.
+std::vector<at::Tensor> read_module_tensors(const ModuleSpec& spec) {
+  std::vector<at::Tensor> tensors = spec.read_parameters();
+  std::vector<at::Tensor> buffers = spec.read_buffers();
+  tensors.insert(tensors.end(), std::make_move_iterator(buffers.begin()),
+                 std::make_move_iterator(buffers.end()));
+  return tensors;
+}
+
+// `tensors` without repeats (a weight tied between two submodules), in order.
+std::vector<at::Tensor> distinct(std::vector<at::Tensor> tensors) {
+  std::vector<at::Tensor> kept;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (at::Tensor& tensor : tensors) {
+    if (seen.insert(tensor.unsafeGetTensorImpl()).second) kept.push_back(std::move(tensor));
+  }
+  return kept;
+}
+
+}  // namespace
+
 struct GraphManager::Module {
   ModuleSpec spec;
   size_t index = 0;
@@ -759,6 +784,9 @@ struct GraphManager::Module {
   // Findings of the warm-up check that a capture decides (CaptureVerdict::
   // kTryCapture): false findings once a graph of the module replays.
   std::vector<std::string> unconfirmed_findings;
+  // Its parameters and buffers at the end of warm-up, which its graphs read
+  // (Note [Modules whose tensors moved]).
+  TensorIdentities tensors;
 };
 
 GraphManager::GraphManager(GraphManagerOptions options, GraphEntryFactories factories)
@@ -919,6 +947,32 @@ GraphManager::Slot* GraphManager::find_slot(Module& module, CallMode mode, const
     }
   }
   return nullptr;
+}
+
+// Note [Modules whose tensors moved]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A module's graphs read its parameters and buffers at the addresses they
+// had at capture (Note [Tensors a graph reads in place]). `model.double()`,
+// `.half()`, `.to()` and `param.data = t` give those tensors new storage and
+// free the old, and `module.weight = nn.Parameter(t)` swaps the object: a
+// replay would compute on freed memory, or keep training the old weights.
+// graphed.capture and TrainStep raise then, since their user holds the
+// graph; graphed.auto exists so that the user holds none, so it does what
+// the user would: each call after warm-up compares the module's tensors
+// (read from the module, a few loads per tensor) with those recorded at the
+// end of its warm-up, and on a difference releases the module's graphs and
+// warms it up again. The call that notices runs eagerly, so it behaves as
+// eager would with the new tensors (a float input to a module made double
+// raises the same error); later calls capture graphs of the new tensors.
+// stats()["tensor_changes"] counts the restarts.
+void GraphManager::restart_warmup(Module& module) {
+  ++counters_.tensor_changes;
+  while (!module.slots.empty()) evict(module.slots.front()->id);
+  module.warmup_calls = 0;
+  module.training_sample.reset();
+  module.tensors = TensorIdentities();
+  module.spec.parameters = distinct(module.spec.read_parameters());
+  module.spec.state = distinct(module.spec.read_buffers());
 }
 
 void GraphManager::evict(uint64_t id) {
@@ -1250,9 +1304,17 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     }
   }
 
+  const bool follows_tensors = module.spec.read_parameters && module.spec.read_buffers;
+  if (module.warmup_calls == options_.warmup && follows_tensors &&
+      !module.tensors.first_difference(read_module_tensors(module.spec)).empty()) {
+    restart_warmup(module);
+  }
   if (module.warmup_calls < options_.warmup) {
     ++module.warmup_calls;
     const bool last = module.warmup_calls == options_.warmup;
+    if (last && follows_tensors) {
+      module.tensors = TensorIdentities(read_module_tensors(module.spec));
+    }
     c10::IValue output = run_warmup(module, inputs, last);
     if (last && mode == CallMode::kTraining && !module.blocked && factories_.training &&
         factories_.training_group) {

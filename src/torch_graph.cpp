@@ -5,6 +5,7 @@
 
 #include <ATen/core/CachingHostAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 
 namespace graphed::detail {
 namespace {
@@ -25,6 +26,21 @@ void best_effort(const char* what, Step&& step) noexcept {
 
 }  // namespace
 
+TorchGraph::~TorchGraph() { capture_workspaces_.clear(); }
+
+void TorchGraph::begin_capture(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode) {
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+  share_stream_workspaces(stream.device_index(), stream.stream());
+  workspaces_before_capture_ = workspace_keys();
+  capture_begin(pool, mode);
+}
+
+void TorchGraph::end_capture() {
+  capture_end();
+  capture_workspaces_ = take_capture_workspaces(workspaces_before_capture_, capture_dev_,
+                                                capture_stream_.stream(), /*may_allocate=*/true);
+}
+
 void TorchGraph::abandon_capture() noexcept {
   // The capture may already have ended (capture_end failed after
   // cudaStreamEndCapture) or never begun (capture_begin failed early).
@@ -37,6 +53,13 @@ void TorchGraph::abandon_capture() noexcept {
     (void)cudaStreamEndCapture(capture_stream_.stream(), partial.out());
   }
   (void)cudaGetLastError();
+  // Workspaces created by the failed capture live in the pool released below:
+  // free them first, and keep them out of later captures.
+  if (capture_dev_ != UNDEFINED_DEVICE) {
+    take_capture_workspaces(workspaces_before_capture_, capture_dev_, capture_stream_.stream(),
+                            /*may_allocate=*/false);
+  }
+  capture_workspaces_.clear();
 
   if constexpr (!reset_releases_abandoned_capture()) {
     release_pool_without_reset();

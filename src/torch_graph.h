@@ -3,11 +3,14 @@
 // Private to libgraphed: the subclass of at::cuda::CUDAGraph that can undo an
 // abandoned capture on every supported torch version.
 
+#include "cublas_workspace.h"
+
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace graphed::detail {
 
@@ -26,6 +29,15 @@ namespace graphed::detail {
 class TorchGraph final : public at::cuda::CUDAGraph {
  public:
   using at::cuda::CUDAGraph::CUDAGraph;
+  // Frees the cuBLAS workspaces taken from the capture before the base class
+  // releases the pool they live in.
+  ~TorchGraph();
+
+  // capture_begin on the current stream, with that stream's cuBLAS
+  // workspaces owned by graphed (Note [cuBLAS workspaces of captured graphs]).
+  void begin_capture(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);
+  // capture_end; the graph takes the cuBLAS workspaces its capture created.
+  void end_capture();
 
   // Ends a capture that began but cannot end normally, and returns the graph,
   // the allocator and the generators to their state before capture_begin.
@@ -60,6 +72,9 @@ class TorchGraph final : public at::cuda::CUDAGraph {
   static void clear_capturing_flag(State&, ...) {}
 
   void release_pool_without_reset() noexcept;
+
+  WorkspaceKeys workspaces_before_capture_;
+  std::vector<at::DataPtr> capture_workspaces_;
 };
 
 }  // namespace graphed::detail

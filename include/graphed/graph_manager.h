@@ -166,6 +166,15 @@ struct ModuleSpec {
   /// The module's parameters: a call in grad mode needs training graphs when
   /// any of them requires grad.
   std::vector<at::Tensor> parameters;
+  /// Read the module's parameters and its buffers as they are now (from the
+  /// module, so that replaced tensors are seen too). When both are set, every
+  /// call after warm-up compares them with what its graphs were captured on
+  /// and, on a difference, releases the module's graphs, takes the new
+  /// tensors as `parameters` and `state`, and warms the module up again
+  /// (Note [Modules whose tensors moved] in graph_manager.cpp). Unset to skip.
+  std::function<std::vector<at::Tensor>()> read_parameters;
+  /// See read_parameters.
+  std::function<std::vector<at::Tensor>()> read_buffers;
 };
 
 /// What a GraphEntryFactory is asked to capture.
@@ -372,6 +381,11 @@ struct GraphManagerStats {
   int64_t captures = 0;
   /// Graphs evicted to stay under the memory budget.
   int64_t evictions = 0;
+  /// Times a module's parameters or buffers were found moved or replaced
+  /// (`.double()`, `.to()`, `param.data = ...`, a new nn.Parameter) after
+  /// its warm-up: its graphs were released and it was warmed up and captured
+  /// again. See Note [Modules whose tensors moved] in graph_manager.cpp.
+  int64_t tensor_changes = 0;
   /// Calls that fell back to eager execution.
   int64_t fallback_calls = 0;
   /// Wall time of all captures, warm-up on the capture stream included.
@@ -448,6 +462,7 @@ class GraphManager {
                      const std::vector<c10::IValue>& inputs);
   void enforce_budget(const Slot& keep);
   void evict(uint64_t id);
+  void restart_warmup(Module& module);
   PoolId shared_pool();
   const std::vector<std::string>& input_names(size_t count) const;
 

@@ -117,12 +117,16 @@ def auto(
     )
     for name in names:
         module = model.get_submodule(name)
+        submodules = list(module.modules())
         index = manager.add_module(
             name,
             type(module).__name__,
             _eager_forward(module),
             list(module.buffers()),
             list(module.parameters()),
+            # Read on every call: Note [Modules whose tensors moved].
+            [m._parameters for m in submodules],
+            [m._buffers for m in submodules],
         )
         module.forward = _managed_forward(manager, index, module)
     object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
@@ -157,7 +161,9 @@ def _turn_cache_off_in_training(model: nn.Module) -> List[str]:
 
 def stats(model: nn.Module) -> Dict[str, Any]:
     """What graphed.auto did with ``model``: calls, replays, warm-up calls,
-    captures, evictions, capture time, live graphs and their memory
+    captures, evictions, ``tensor_changes`` (modules whose parameters or
+    buffers were moved or replaced, e.g. by ``model.double()``, and which
+    were warmed up and captured again), capture time, live graphs and their memory
     (``graph_memory_bytes``; ``pool_reserved_bytes`` for the shared pool),
     the recorded call ``order``, per-module counters, every fallback with
     its reason and count, the ``training_groups`` captured together,

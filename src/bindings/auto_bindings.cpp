@@ -70,6 +70,7 @@ py::dict stats_to_python(const GraphManagerStats& stats) {
   out["warmup_calls"] = stats.warmup_calls;
   out["captures"] = stats.captures;
   out["evictions"] = stats.evictions;
+  out["tensor_changes"] = stats.tensor_changes;
   out["fallback_calls"] = stats.fallback_calls;
   out["capture_ms"] = stats.capture_ms;
   out["graphs"] = stats.graphs;
@@ -150,17 +151,23 @@ void register_auto(py::module_& m) {
       .def(
           "add_module",
           [](GraphManager& self, std::string name, std::string type, py::object forward,
-             std::vector<at::Tensor> state, std::vector<at::Tensor> parameters) {
+             std::vector<at::Tensor> state, std::vector<at::Tensor> parameters,
+             const py::object& parameter_dicts, const py::object& buffer_dicts) {
             ModuleSpec spec;
             spec.name = std::move(name);
             spec.type = std::move(type);
             spec.forward = wrap_call(std::move(forward));
             spec.state = std::move(state);
             spec.parameters = std::move(parameters);
+            if (!parameter_dicts.is_none() && !buffer_dicts.is_none()) {
+              spec.read_parameters = read_tensors_of(parameter_dicts.cast<py::list>());
+              spec.read_buffers = read_tensors_of(buffer_dicts.cast<py::list>());
+            }
             return self.add_module(std::move(spec));
           },
           py::arg("name"), py::arg("type"), py::arg("forward"), py::arg("state"),
-          py::arg("parameters"))
+          py::arg("parameters"), py::arg("parameter_dicts") = py::none(),
+          py::arg("buffer_dicts") = py::none())
       .def(
           "call",
           [](GraphManager& self, size_t index, const py::tuple& args, const py::dict& kwargs,

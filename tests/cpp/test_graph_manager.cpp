@@ -235,6 +235,47 @@ struct ManagerFixture : ::testing::Test {
   }
 };
 
+TEST_F(ManagerFixture, WarmsUpAgainWhenTheModuleTensorsMoveOrAreReplaced) {
+  // See Note [Modules whose tensors moved]: the module's graphs are released
+  // and it warms up again, with the new tensors as its parameters.
+  GraphManagerOptions options;
+  options.warmup = 1;
+  GraphManager manager = make(options);
+  auto weight = std::make_shared<at::Tensor>(at::ones({3}));
+  ModuleSpec spec = doubling_module("blocks.0", &eager_runs);
+  spec.parameters = {*weight};
+  spec.read_parameters = [weight] { return std::vector<at::Tensor>{*weight, *weight}; };
+  spec.read_buffers = [] { return std::vector<at::Tensor>{}; };
+  const size_t index = manager.add_module(std::move(spec));
+  const at::Tensor x = at::ones({4, 3});
+  for (int call = 0; call < 3; ++call) manager.call(index, call_inputs(x));
+  EXPECT_EQ(manager.stats().warmup_calls, 1);
+  EXPECT_EQ(manager.stats().captures, 1);
+  EXPECT_EQ(manager.stats().replays, 2);
+
+  // Values changed in place keep the graphs.
+  weight->add_(1);
+  manager.call(index, call_inputs(x));
+  EXPECT_EQ(manager.stats().tensor_changes, 0);
+  EXPECT_EQ(manager.stats().replays, 3);
+
+  // New storage (as `.double()` gives): the call runs eagerly, warming up.
+  *weight = at::ones({3}, at::kDouble);
+  manager.call(index, call_inputs(x));
+  GraphManagerStats stats = manager.stats();
+  EXPECT_EQ(stats.tensor_changes, 1);
+  EXPECT_EQ(stats.graphs, 0);
+  EXPECT_EQ(stats.warmup_calls, 2);
+  EXPECT_EQ(stats.replays, 3);
+  // Then it captures again and replays.
+  manager.call(index, call_inputs(x));
+  manager.call(index, call_inputs(x));
+  stats = manager.stats();
+  EXPECT_EQ(stats.captures, 2);
+  EXPECT_EQ(stats.replays, 5);
+  EXPECT_EQ(stats.tensor_changes, 1);
+}
+
 TEST_F(ManagerFixture, WarmsUpThenCapturesOnceAndReplays) {
   GraphManagerOptions options;
   options.warmup = 2;

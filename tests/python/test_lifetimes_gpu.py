@@ -382,3 +382,25 @@ def test_two_threads_replaying_their_own_graphs_get_their_own_results(own_stream
         thread.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a replay thread hung"
     assert not errors, errors
+
+
+def test_auto_recaptures_after_a_parameter_is_replaced():
+    """A new nn.Parameter object (not only new storage): auto must train and
+    compute with it, not with the object its graphs were captured on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)).cuda().eval()
+    reference = copy.deepcopy(model)
+    managed = graphed.auto(model, warmup=1)
+    x = torch.randn(4, 32, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            managed(x)
+        replacement = torch.randn(32, 32, device="cuda")
+        managed[0].weight = nn.Parameter(replacement.clone())
+        reference[0].weight = nn.Parameter(replacement.clone())
+        collect()
+        for _ in range(3):
+            torch.testing.assert_close(managed(x), reference(x), rtol=1e-5, atol=1e-5)
+    stats = managed.stats()
+    assert stats["tensor_changes"] >= 1
+    assert stats["replays"] > 0

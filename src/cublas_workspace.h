@@ -1,0 +1,78 @@
+#pragma once
+
+// Private to libgraphed: who owns the cuBLAS workspaces that captured graphs
+// write into. See Note [cuBLAS workspaces of captured graphs].
+
+#include <ATen/core/TensorBody.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <cuda_runtime_api.h>
+
+#include <set>
+#include <tuple>
+#include <vector>
+
+namespace graphed::detail {
+
+// Note [cuBLAS workspaces of captured graphs]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// PyTorch gives every (cuBLAS handle, stream) pair a workspace on first use
+// and keeps it in a process-wide map (cublas_handle_stream_to_workspace(),
+// and one for cuBLASLt). A GEMM captured into a graph records the workspace's
+// address, so the graph writes there on every replay; but the map, not the
+// graph, owns that memory, and PyTorch frees it behind the graph's back:
+// torch.compile's cudagraph trees call torch._C._cuda_clearCublasWorkspaces()
+// before and after every recording, and torch >= 2.12's CUDAGraph::reset()
+// clears the workspaces of its capture stream. Measured on the H200 (torch
+// 2.11, diag/ws_probe2.py in session 12): a hand-written torch.cuda.graph of
+// the mlp_inference model, captured after another graph on the same capture
+// stream had been destroyed, used the workspace left in the dead graph's
+// pool; after clearCublasWorkspaces() and empty_cache() its replay overwrote
+// 98,304 floats of tensors allocated since, and in the benchmark (gpt_train
+// then mlp_inference in one process, where compile_reduce_overhead does the
+// clearing) the same replay hit an illegal memory access once the segment was
+// returned to the driver. That is PyTorch's bug (bench/harness.py says how
+// the benchmark keeps its hand-written graphs clear of it); graphed's own
+// graphs would suffer the same through the shared capture stream's workspace
+// (Note [One capture stream per device]), so graphed owns what its graphs
+// write into:
+// - Before capture begins, every map entry for the capture stream is pointed
+//   at a buffer graphed allocates once per device and never frees (the map
+//   gets a non-owning pointer, so clearing the map frees nothing). All
+//   graphs captured on that stream share it, which is safe for the reason
+//   the stream itself is shared: they never replay concurrently, and a
+//   workspace holds nothing from one GEMM to the next.
+// - A workspace created during the capture (a handle that did not run during
+//   warm-up, or a side stream the captured code forks onto) comes from the
+//   graph's private pool; the graph takes ownership of it and the map entry
+//   goes back to the shared buffer (capture stream) or away (side streams),
+//   so no later capture can inherit memory that dies with this graph. A
+//   failed capture does the same before its pool is released.
+// A replay therefore never writes into memory it does not own, whatever
+// clears PyTorch's maps. tests/python/test_lifetimes_gpu.py
+// (test_graphs_survive_cleared_cublas_workspaces) checks it.
+
+// The keys ((handle, stream)) of PyTorch's cuBLAS and cuBLASLt workspace maps.
+struct WorkspaceKeys {
+  std::set<std::tuple<void*, void*>> blas;
+  std::set<std::tuple<void*, void*>> lt;
+};
+
+// Points every workspace entry of `stream` (on `device`) at graphed's shared
+// buffer, growing it when an entry asks for more. Call outside any capture.
+void share_stream_workspaces(c10::DeviceIndex device, cudaStream_t stream);
+
+// The map keys now.
+WorkspaceKeys workspace_keys();
+
+// The workspaces created since `before` (during a capture on `stream`):
+// returns their memory for the graph to own, re-points `stream`'s entries at
+// the shared buffer and removes the other new entries. Without
+// `may_allocate` (while the allocator may still route to the graph's pool)
+// a `stream` entry the shared buffer is too small for is removed instead of
+// re-pointed. Never throws.
+std::vector<at::DataPtr> take_capture_workspaces(const WorkspaceKeys& before,
+                                                 c10::DeviceIndex device, cudaStream_t stream,
+                                                 bool may_allocate) noexcept;
+
+}  // namespace graphed::detail
