@@ -165,6 +165,8 @@ def main() -> int:
     # Issue 13's check: every default workload ran in this one process, and none failed.
     results["one_process_all_workloads"] = (
         not failed and set(args.workloads) >= {w for w in WORKLOADS if w not in OPT_IN})
+    with open(args.json, "w") as out:
+        json.dump(results, out, indent=2)
     table = markdown(results) + "\n" + graphed.bench.markdown(results.get("advice", {}))
     if args.markdown:
         with open(args.markdown, "w") as out:

@@ -57,14 +57,20 @@ def soak(call: Callable[[int], Any], check: Callable[[int], float], *, calls: in
          on_call: Callable[[int], None] = lambda i: None) -> Dict[str, Any]:
     """Calls ``call(i)`` for i in range(calls), except at ~SAMPLES evenly spaced
     steps after warm-up, where ``check(i)`` makes the call and returns its
-    largest difference from eager. Device memory is read after ``warmup_calls``
+    largest difference from eager (the last warm-up call is a check too, not
+    counted). Device memory is read after ``warmup_calls``
     and at the end (synchronized, after a garbage collection)."""
     measured = calls - warmup_calls
     samples = {warmup_calls + (k * measured) // SAMPLES for k in range(SAMPLES)}
     diffs: List[float] = []
     for i in range(warmup_calls):
         on_call(i)
-        call(i)
+        if i == warmup_calls - 1:
+            # The eager side's lazy state (its streams' cuBLAS workspaces, the
+            # twin optimizer's state) must exist before memory is read.
+            check(i)
+        else:
+            call(i)
     settle()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     replays_before = replays()

@@ -79,7 +79,9 @@ SOAK_QUICK = ["bench/run.py", "soak", "--quick"]
 # Torch alone under the sanitizer: whether the tool works on this machine at all.
 PROBE = ("import torch; x = torch.ones(1 << 20, device='cuda'); "
          "print(float((x * 2).sum())); torch.cuda.synchronize()")
-SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error")
+# memcheck and synccheck end with "ERROR SUMMARY: N errors"; racecheck with
+# "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)".
+SUMMARY = re.compile(r"(?:ERROR SUMMARY:\s*(\d+)\s+error|RACECHECK SUMMARY:[^(\n]*\((\d+)\s+error)")
 PYTEST_TAIL = re.compile(r"=+ (.*(?:passed|failed|error|skipped|deselected).*) in [\d.]+s")
 
 
@@ -137,7 +139,7 @@ def run_one(sanitizer: str, tool: str, name: str, command: List[str], log_path: 
                 output, _ = process.communicate()
         status = None if timed_out else process.returncode
         log.write(output)
-    counts = [int(m) for m in SUMMARY.findall(output)]
+    counts = summary_counts(output)
     outcome = PYTEST_TAIL.findall(output)
     return {
         "tool": tool,
@@ -158,6 +160,11 @@ def cpp_binary(build_dir: str, name: str) -> Optional[str]:
         if os.path.isfile(path) and os.access(path, os.X_OK):
             return path
     return None
+
+
+def summary_counts(output: str) -> List[int]:
+    """The error count of every sanitizer summary line in ``output``."""
+    return [int(error or hazard) for error, hazard in SUMMARY.findall(output)]
 
 
 def plan(build_dir: str, python: str) -> List[tuple]:
