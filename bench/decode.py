@@ -128,9 +128,12 @@ def run(quick: bool = False) -> Dict[str, Any]:
                                            auto("graphed_auto_repoint", None, "auto"), True),
         }
         # DECODE_METHODS=eager,torch_buckets,... runs a subset (eager always).
-        # Without it, compile_reduce_overhead runs in a process of its own: in
-        # one process with the graph methods the interleaved timing hit an
-        # illegal memory access on the H200 (not yet diagnosed; see the issue).
+        # Without it, compile_reduce_overhead runs in a process of its own, so
+        # that its speedup is measured against an eager run without the other
+        # methods' graphs. (It once hit an illegal memory access here: PyTorch
+        # frees the cuBLAS workspace hand-written graphs captured, Note
+        # [cuBLAS workspaces of captured graphs]; bench/run.py now drops stale
+        # workspaces between workloads.)
         chosen = os.environ.get("DECODE_METHODS")
         if chosen:
             keep = {"eager", *chosen.split(",")}

@@ -107,8 +107,8 @@ def add_advice(results, name: str, out_dir: str, quick: bool) -> bool:
 
 def forget_cublas_workspaces() -> None:
     """Between workloads, while none of the last one's hand-written graphs
-    live: drops PyTorch's cuBLAS workspaces, as torch >= 2.12 does when a
-    graph is destroyed. On torch 2.11 a hand-written torch.cuda.graph leaves
+    live: drops PyTorch's cuBLAS workspaces, as torch 2.14 does when a graph
+    is destroyed. On torch 2.11 a hand-written torch.cuda.graph leaves
     its capture stream's workspace in its own pool when it dies; the next
     workload's hand-written capture on that stream writes into it, and once
     torch.compile's cudagraph trees clear the workspaces (mlp_inference's

@@ -17,25 +17,25 @@ namespace graphed::detail {
 // Note [cuBLAS workspaces of captured graphs]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // PyTorch gives every (cuBLAS handle, stream) pair a workspace on first use
-// and keeps it in a process-wide map (cublas_handle_stream_to_workspace(),
-// and one for cuBLASLt). A GEMM captured into a graph records the workspace's
+// and keeps it in a process-wide map (cublas_handle_stream_to_workspace(), and
+// one for cuBLASLt). A GEMM captured into a graph records the workspace's
 // address, so the graph writes there on every replay; but the map, not the
 // graph, owns that memory, and PyTorch frees it behind the graph's back:
 // torch.compile's cudagraph trees call torch._C._cuda_clearCublasWorkspaces()
-// before and after every recording, and torch >= 2.12's CUDAGraph::reset()
-// clears the workspaces of its capture stream. Measured on the H200 (torch
-// 2.11, diag/ws_probe2.py in session 12): a hand-written torch.cuda.graph of
-// the mlp_inference model, captured after another graph on the same capture
-// stream had been destroyed, used the workspace left in the dead graph's
-// pool; after clearCublasWorkspaces() and empty_cache() its replay overwrote
-// 98,304 floats of tensors allocated since, and in the benchmark (gpt_train
-// then mlp_inference in one process, where compile_reduce_overhead does the
-// clearing) the same replay hit an illegal memory access once the segment was
-// returned to the driver. That is PyTorch's bug (bench/harness.py says how
-// the benchmark keeps its hand-written graphs clear of it); graphed's own
-// graphs would suffer the same through the shared capture stream's workspace
-// (Note [One capture stream per device]), so graphed owns what its graphs
-// write into:
+// before and after every recording, and newer torch's CUDAGraph::reset()
+// clears the workspaces of its capture stream (2.14's does, 2.11's not).
+// Measured on the H200 (torch 2.11, scripts/repro_torch_cublas_workspace.py):
+// a hand-written torch.cuda.graph of the mlp_inference model, captured after
+// another graph on the same capture stream had been destroyed, used the
+// workspace left in the dead graph's pool; after clearCublasWorkspaces() and
+// empty_cache() its replay overwrote 98,304 floats of tensors allocated since,
+// and in the benchmark (gpt_train then mlp_inference in one process, where
+// compile_reduce_overhead does the clearing) the same replay hit an illegal
+// memory access once the segment was returned to the driver. That is PyTorch's
+// bug (bench/run.py's forget_cublas_workspaces() keeps the benchmark's hand-
+// written graphs clear of it); graphed's own graphs would suffer the same
+// through the shared capture stream's workspace (Note [One capture stream per
+// device]), so graphed owns what its graphs write into:
 // - Before capture begins, every map entry for the capture stream is pointed
 //   at a buffer graphed allocates once per device and never frees (the map
 //   gets a non-owning pointer, so clearing the map frees nothing). All
@@ -49,8 +49,10 @@ namespace graphed::detail {
 //   so no later capture can inherit memory that dies with this graph. A
 //   failed capture does the same before its pool is released.
 // A replay therefore never writes into memory it does not own, whatever
-// clears PyTorch's maps. tests/python/test_lifetimes_gpu.py
-// (test_graphs_survive_cleared_cublas_workspaces) checks it.
+// clears PyTorch's maps. tests/python/test_cublas_workspace_gpu.py checks it;
+// its TrainStep cases failed on the H200 before graphed owned the workspaces
+// (sentinel tensors overwritten after clearCublasWorkspaces() and after a
+// torch.compile(mode="reduce-overhead") recording).
 
 // The keys ((handle, stream)) of PyTorch's cuBLAS and cuBLASLt workspace maps.
 struct WorkspaceKeys {

@@ -2,7 +2,7 @@
 workspaces of captured graphs]): torch._C._cuda_clearCublasWorkspaces() (what
 torch.compile's cudagraph trees call around every recording), a
 torch.compile(mode="reduce-overhead") model recorded after the capture, and
-another graphed graph destroyed (torch >= 2.12 clears its capture stream's
+another graphed graph destroyed (torch 2.14 clears its capture stream's
 workspaces then). Afterwards freed memory is handed to new tensors on the
 capture stream and on the caller's stream; a replay must leave them untouched
 and still match eager."""
