@@ -79,8 +79,11 @@ struct TraceSummary {
   double gpu_ms_per_iter = 0.0;
   /// Activity durations over the trace, in microseconds.
   double duration_mean_us = 0.0;
+  /// Median activity duration, in microseconds.
   double duration_p50_us = 0.0;
+  /// 90th percentile of the activity durations, in microseconds.
   double duration_p90_us = 0.0;
+  /// Longest activity, in microseconds.
   double duration_max_us = 0.0;
   /// Share of activities shorter than 50 us (launch overhead dominates them).
   double small_fraction = 0.0;
@@ -90,11 +93,13 @@ struct TraceSummary {
   double idle_ms_per_iter = 0.0;
   /// Idle gaps between consecutive stretches of GPU work, in microseconds.
   double gap_p50_us = 0.0;
+  /// 90th percentile of those idle gaps, in microseconds.
   double gap_p90_us = 0.0;
   /// Host time of one iteration (under the profiler), in milliseconds.
   double host_ms_per_iter = 0.0;
   /// Runtime launch calls per iteration, and the mean host time of one.
   double launches_per_iter = 0.0;
+  /// Mean host time of one runtime launch call, in microseconds.
   double launch_call_us = 0.0;
   /// Host time per GPU activity: host_ms_per_iter spread over the activities.
   double host_us_per_activity = 0.0;
@@ -113,9 +118,13 @@ struct ReplayCost {
   /// The measurement behind it: replay times of graphs of `small_nodes` and
   /// `large_nodes` tiny kernels, and the profiled duration of one such kernel.
   int64_t small_nodes = 0;
+  /// Nodes of the larger probe graph.
   int64_t large_nodes = 0;
+  /// Replay time of the small probe graph, in microseconds.
   double small_replay_us = 0.0;
+  /// Replay time of the large probe graph, in microseconds.
   double large_replay_us = 0.0;
+  /// Profiled duration of one tiny probe kernel, in microseconds.
   double tiny_kernel_us = 0.0;
 
   /// Fits the replay cost to two measurements; see Note [Predicting the

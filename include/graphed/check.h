@@ -68,6 +68,7 @@ std::string describe_cuda_failure(const char* call, cudaError_t status);
 }  // namespace detail
 }  // namespace graphed
 
+/// The c10::SourceLocation of the line that expands it (function, file, line).
 #define GRAPHED_SOURCE_LOCATION \
   ::c10::SourceLocation { __func__, __FILE__, static_cast<uint32_t>(__LINE__) }
 

@@ -39,6 +39,7 @@ struct ProfileOptions {
   int warmup = 3;
   /// Calls per timed round, and timed rounds (the median is kept).
   int timed_iters = 10;
+  /// Timed rounds.
   int timed_repeats = 5;
   /// Iterations recorded by the profiler.
   int profiled_iters = 5;

@@ -66,6 +66,8 @@ class Advice:
 
     @property
     def replay_cost(self) -> Dict[str, Any]:
+        """The replay cost of this GPU the prediction used: ``per_node_us``,
+        ``launch_us`` and the measurement behind them."""
         return self._data["replay_cost"]
 
     def to_dict(self) -> Dict[str, Any]:
@@ -74,6 +76,7 @@ class Advice:
                 "training": self.training, **self._data, "blockers": self.blockers}
 
     def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as JSON text; ``kwargs`` go to ``json.dumps``."""
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:

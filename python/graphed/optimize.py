@@ -151,10 +151,13 @@ class OptimizeReport:
 
     @property
     def step(self) -> Optional[Callable[..., Any]]:
+        """The captured training step (``step(batch)`` returns the loss), or
+        None when nothing was applied; the same object as ``fn``."""
         return self.fn
 
     @property
     def speedup(self) -> Optional[float]:
+        """Measured eager time over graphed time, or None when not measured."""
         if self.eager_ms and self.graphed_ms:
             return self.eager_ms / self.graphed_ms
         return None
@@ -170,6 +173,7 @@ class OptimizeReport:
         return self.applied
 
     def to_dict(self) -> Dict[str, Any]:
+        """The report as a JSON-ready dict (the advice included, traces not)."""
         return {
             "description": self.description, "training": self.training,
             "applied": self.applied, "strategy": self.strategy, "reason": self.reason,
@@ -182,6 +186,7 @@ class OptimizeReport:
         }
 
     def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as JSON text; ``kwargs`` go to ``json.dumps``."""
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
