@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "architecture.md")
 BEGIN, END = "<!-- notes-index:begin -->", "<!-- notes-index:end -->"
-FOLDERS = ("include", "src", "python", "scripts", "bench", "tests", "examples", "diag")
+FOLDERS = ("include", "src", "python", "scripts", "bench", "tests", "examples")
 EXTENSIONS = (".h", ".cpp", ".cu", ".py", ".cmake", ".txt")
 SKIP = {os.path.join("scripts", "notes_index.py"), os.path.join("scripts", "api_reference.py")}
 _DEFINITION = re.compile(r"^\s*(/{2,3}|#)?\s*Note \[([^\]{}]+)\]\s*$")

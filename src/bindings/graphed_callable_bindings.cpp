@@ -70,12 +70,16 @@ void register_graphed_callables(py::module_& m) {
       "graphed.make_graphed_callables).")
       .def("call", &call_graphed, py::arg("training"), py::arg("args"), py::arg("kwargs"),
            "Replays the graphs (or runs eagerly when `training` differs from capture).")
-      .def_property_readonly("description", &GraphedCallable::description)
-      .def_property_readonly("num_microbatches", &GraphedCallable::num_microbatches)
+      .def_property_readonly("description", &GraphedCallable::description,
+                             "What was captured, as messages name it.")
+      .def_property_readonly("num_microbatches", &GraphedCallable::num_microbatches,
+                             "Forward/backward graph pairs: one per microbatch of `order`.")
       .def_property_readonly(
-          "pool", [](const GraphedCallable& self) { return pool_to_python(self.pool()); })
+          "pool", [](const GraphedCallable& self) { return pool_to_python(self.pool()); },
+          "The memory pool the graphs share (pass it as `pool=` to share it further).")
       .def_property_readonly(
-          "signature", [](const GraphedCallable& self) { return self.signature().describe(); })
+          "signature", [](const GraphedCallable& self) { return self.signature().describe(); },
+          "The inputs the graphs were captured for (shapes, dtypes, devices, constants).")
       .def(
           "stats",
           [](const GraphedCallable& self) {

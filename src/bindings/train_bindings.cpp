@@ -98,7 +98,9 @@ void register_training(py::module_& m) {
         return out;
       });
 
-  py::class_<LossScaling>(m, "LossScaling")
+  py::class_<LossScaling>(m, "LossScaling",
+                          "Dynamic fp16 loss scaling as torch.amp.GradScaler does it, on the "
+                          "device: pass to TrainStep.from_parts(loss_scaling=...).")
       .def(py::init([](double init_scale, double growth_factor, double backoff_factor,
                        int64_t growth_interval) {
              return LossScaling{init_scale, growth_factor, backoff_factor, growth_interval};
