@@ -351,7 +351,10 @@ void Decoder::evict_over_budget(int64_t keep) {
   std::sort(by_age.begin(), by_age.end(),
             [](const Bucket* a, const Bucket* b) { return a->last_used < b->last_used; });
   for (const Bucket* bucket : by_age) {
-    budget.add(static_cast<uint64_t>(bucket->batch), bucket->report.graph_bytes);
+    // A graph that fit in memory the pool already held still counts a byte:
+    // a budget below every graph keeps only the bucket in use.
+    budget.add(static_cast<uint64_t>(bucket->batch),
+               std::max<int64_t>(bucket->report.graph_bytes, 1));
   }
   for (uint64_t size : budget.over_budget(static_cast<uint64_t>(keep))) {
     Bucket& evicted = *graphs_.at(static_cast<int64_t>(size));

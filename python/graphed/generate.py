@@ -228,9 +228,19 @@ class Decoder:
             check_every=check_every, memory_budget=memory_budget, warmup=warmup,
             use_graphs=use_graphs, capture_error_mode=capture_error_mode, device=device)
         adapter.append(_StaticCacheModel(model, max_batch, max_len))
+        self._adapter = adapter
         if capture and use_graphs:
-            with torch.no_grad():
-                self._core.capture_all()
+            self.capture()
+
+    @property
+    def cache(self):
+        """The transformers StaticCache the decoder owns (max_batch rows, max_len positions)."""
+        return self._adapter[0].cache
+
+    def capture(self):
+        """Captures every bucket's graph now (generate() captures a bucket on first use)."""
+        with torch.no_grad():
+            self._core.capture_all()
 
     @property
     def max_batch(self):
