@@ -269,13 +269,20 @@ void Decoder::reset_cache() {
   }
 }
 
+void Decoder::decode_step(const DecodeInputs& inputs, DecodeState& state) {
+  const at::Tensor next = select_next_tokens(step_(inputs), state, options_.sampling, eos_,
+                                             options_.pad_token_id);
+  // The chosen token is the next step's input, one position further on.
+  inputs.input_ids.copy_(next.unsqueeze(1));
+  inputs.position_ids.add_(1);
+}
+
 void Decoder::run_step(Bucket& bucket) {
   if (options_.use_graphs) {
     bucket.graph.replay();
   } else {
     DecodeState state = state_for(bucket.batch);
-    (void)select_next_tokens(step_(inputs_for(bucket.batch)), state, options_.sampling, eos_,
-                             options_.pad_token_id);
+    decode_step(inputs_for(bucket.batch), state);
   }
   ++bucket.report.replays;
 }
@@ -293,10 +300,7 @@ void Decoder::capture_bucket(Bucket& bucket) {
 
   const DecodeInputs inputs = inputs_for(batch);
   DecodeState state = state_for(batch);
-  const auto body = [&] {
-    (void)select_next_tokens(step_(inputs), state, options_.sampling, eos_,
-                             options_.pad_token_id);
-  };
+  const auto body = [&] { decode_step(inputs, state); };
   const int64_t pool_before = pool_ ? pool_memory(*pool_, device_.index()).reserved_bytes : 0;
   const StateSnapshot random_state = StateSnapshot::take({}, device_);
   try {

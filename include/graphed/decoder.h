@@ -288,6 +288,7 @@ class Decoder {
   void ensure_captured(Bucket& bucket);
   void capture_bucket(Bucket& bucket);
   void run_step(Bucket& bucket);
+  void decode_step(const DecodeInputs& inputs, DecodeState& state);
   void reset_cache();
   void evict_over_budget(int64_t keep);
   DecodeInputs inputs_for(int64_t batch) const;
