@@ -37,6 +37,11 @@ import zoo  # noqa: E402
 
 WORKLOADS["zoo"] = zoo.run
 
+# LLM decoding of Hugging Face models (issue 14)
+import hf_decode  # noqa: E402
+
+WORKLOADS["hf_decode"] = hf_decode.run
+
 # Memory safety and state under stress (issue 13)
 import soak  # noqa: E402
 

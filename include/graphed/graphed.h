@@ -11,6 +11,7 @@
 #include "graphed/capture_watcher.h"
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
+#include "graphed/decoder.h"
 #include "graphed/grad_guard.h"
 #include "graphed/graph.h"
 #include "graphed/graph_schedule.h"

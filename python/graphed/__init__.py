@@ -29,6 +29,7 @@ from ._C import (
 from .capture import capture, capture_stream, graph_pool_handle
 from .auto import auto, stats as auto_stats
 from .check import check
+from .generate import Decoder, generate
 from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
 from . import distributed
@@ -49,6 +50,7 @@ _C.install_source_locator(
 )
 
 __all__ = [
+    "Decoder",
     "CaptureError",
     "CapturedFunction",
     "GraphedCallable",
@@ -63,6 +65,7 @@ __all__ = [
     "capture",
     "capture_stream",
     "check",
+    "generate",
     "graph_stats",
     "graphed_core",
     "make_graphed_callables",

@@ -9,22 +9,6 @@
 namespace graphed::python {
 namespace {
 
-std::optional<int64_t> budget_from_python(const py::object& budget) {
-  if (budget.is_none()) {
-    return std::nullopt;
-  }
-  if (py::isinstance<py::str>(budget)) {
-    return parse_memory_size(budget.cast<std::string>());
-  }
-  GRAPHED_CHECK(py::isinstance<py::int_>(budget) && !py::isinstance<py::bool_>(budget),
-                "Expected memory_budget to be None, a number of bytes or a size such as "
-                "\"2GiB\", got ", py::repr(budget).cast<std::string>(), ".");
-  const int64_t bytes = budget.cast<int64_t>();
-  GRAPHED_CHECK(bytes >= 1, "Expected a memory budget of at least one byte, got ", bytes,
-                ". Pass a positive size such as \"2GiB\", or None for no budget.");
-  return bytes;
-}
-
 std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets,
                                            const py::object& memory_budget,
                                            const std::string& fallback, bool check_blockers,
@@ -37,7 +21,7 @@ std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets
     options.buckets =
         BucketPolicy(buckets.cast<std::map<int64_t, std::vector<int64_t>>>());
   }
-  options.memory_budget_bytes = budget_from_python(memory_budget);
+  options.memory_budget_bytes = memory_budget_from_python(memory_budget);
   options.fallback = parse_fallback_policy(fallback);
   options.check_blockers = check_blockers;
   options.capture_warmup_iters = capture_warmup;

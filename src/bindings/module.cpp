@@ -115,6 +115,7 @@ PYBIND11_MODULE(_C, m) {
   register_graphed_callables(m);
   register_advice(m);
   register_auto(m);
+  register_decoder(m);
 
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");

@@ -1,6 +1,7 @@
 #include "python_values.h"
 
 #include "graphed/check.h"
+#include "graphed/graph_manager.h"
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -404,6 +405,22 @@ py::dict graph_stats_to_python(const GraphStats& stats) {
 void install_python_locator(std::vector<std::string> roots) {
   library_roots() = roots;
   set_source_locator(std::make_shared<PythonLocator>(std::move(roots)));
+}
+
+std::optional<int64_t> memory_budget_from_python(const py::object& budget) {
+  if (budget.is_none()) {
+    return std::nullopt;
+  }
+  if (py::isinstance<py::str>(budget)) {
+    return parse_memory_size(budget.cast<std::string>());
+  }
+  GRAPHED_CHECK(py::isinstance<py::int_>(budget) && !py::isinstance<py::bool_>(budget),
+                "Expected memory_budget to be None, a number of bytes or a size such as "
+                "\"2GiB\", got ", py::repr(budget).cast<std::string>(), ".");
+  const int64_t bytes = budget.cast<int64_t>();
+  GRAPHED_CHECK(bytes >= 1, "Expected a memory budget of at least one byte, got ", bytes,
+                ". Pass a positive size such as \"2GiB\", or None for no budget.");
+  return bytes;
 }
 
 }  // namespace graphed::python

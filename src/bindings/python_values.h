@@ -56,6 +56,10 @@ CaptureGuard wrap_guard(std::string name, py::object read);
 py::tuple pool_to_python(const PoolId& pool);
 std::optional<PoolId> pool_from_python(const py::object& pool);
 
+// A memory budget as graphed.auto and graphed.Decoder take it: None, a
+// number of bytes, or a size such as "2GiB" (parse_memory_size).
+std::optional<int64_t> memory_budget_from_python(const py::object& budget);
+
 // A graph's statistics as a dict.
 py::dict graph_stats_to_python(const GraphStats& stats);
 

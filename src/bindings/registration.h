@@ -21,5 +21,7 @@ void register_graphed_callables(pybind11::module_& m);
 void register_advice(pybind11::module_& m);
 // graphed.auto: GraphManager, module selection, memory sizes (auto_bindings.cpp).
 void register_auto(pybind11::module_& m);
+// graphed.generate and graphed.Decoder: the decode loop (decoder_bindings.cpp).
+void register_decoder(pybind11::module_& m);
 
 }  // namespace graphed::python

@@ -1,0 +1,171 @@
+"""Workload hf_decode (issue 14): LLM decoding of a Hugging Face Llama (4 layers,
+d512, GQA, random init), 32-token prompts, 128 new tokens, greedy, at batch 1, 8
+and 32. Paths, side by side in one process: HF generate with DynamicCache, HF
+generate on the StaticCache (eager, auto-compile off), the StaticCache with
+torch.compile(mode="reduce-overhead") as transformers documents it, and
+graphed.generate. Results are ms per new token; graphed rows add capture_s,
+graph_mb and same_tokens_as_hf_static; a path that fails records `error`."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Callable, Dict
+
+import torch
+
+import graphed
+from graphed import measure
+
+PROMPT, NEW_TOKENS = 32, 128
+
+
+def llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(config).cuda().eval()
+
+
+def _ms_per_token(fn: Callable[[], torch.Tensor], repeats: int, new_tokens: int) -> float:
+    fn()  # warm
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000 / new_tokens)
+    return round(sorted(times)[len(times) // 2], 4)
+
+
+def _decode_floor_ms(model, ids, max_cache_len: int) -> float:
+    """Kernel time of one eager StaticCache decode step (graphed's adapter, no graph)."""
+    from graphed.generate import _StaticCacheModel
+
+    batch = ids.shape[0]
+    adapter = _StaticCacheModel(model, batch, max_cache_len)
+    mask = torch.ones(batch, max_cache_len, dtype=torch.long, device=ids.device)
+    with torch.no_grad():
+        adapter.reset()
+        adapter.prefill((ids, mask[:, :PROMPT], graphed._C.prompt_positions(mask[:, :PROMPT])))
+        token = ids[:, -1:].clone()
+        position = torch.full((batch, 1), PROMPT, dtype=torch.long, device=ids.device)
+
+        def step():
+            adapter.step((token, position, mask))
+
+        ms, _ = measure.kernel_floor_ms(step, iters=20)
+    return round(ms, 4)
+
+
+def run(quick: bool = False) -> Dict[str, Any]:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = llama()
+    batches = (1, 8) if quick else (1, 8, 32)
+    repeats = 2 if quick else 5
+    new_tokens = 32 if quick else NEW_TOKENS
+    max_cache_len = PROMPT + new_tokens - 1
+    record: Dict[str, Any] = {"model": "HF Llama 4 layers d512 GQA (8 heads, 2 kv), vocab 32000",
+                              "prompt": PROMPT, "new_tokens": new_tokens,
+                              "kernel_floor_ms": {}, "methods": {}}
+    methods = record["methods"]
+    common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def attempt(name: str, body: Callable[[], Dict[str, Any]]) -> None:
+        try:
+            methods[name] = body()
+        except Exception as error:  # a failed path is a result
+            methods[name] = {"error": f"{type(error).__name__}: {error}"[-2000:],
+                             "traceback": traceback.format_exc()[-2000:]}
+        torch.cuda.synchronize()
+
+    for batch in batches:
+        ids = torch.randint(0, 32000, (batch, PROMPT), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(batch))
+        try:
+            record["kernel_floor_ms"][str(batch)] = _decode_floor_ms(model, ids, max_cache_len)
+        except Exception as error:
+            record["kernel_floor_ms"][str(batch)] = None
+            record.setdefault("errors", {})[f"kernel_floor_b{batch}"] = repr(error)[-2000:]
+        hf_static = {}
+
+        def dynamic():
+            with torch.no_grad():
+                fn = lambda: model.generate(ids, **common)  # noqa: E731
+                return {"ms": _ms_per_token(fn, repeats, new_tokens)}
+
+        def static():
+            with torch.no_grad():
+                fn = lambda: model.generate(ids, cache_implementation="static",  # noqa: E731
+                                            max_cache_len=max_cache_len, disable_compile=True,
+                                            **common)
+                hf_static["tokens"] = fn()
+                return {"ms": _ms_per_token(fn, repeats, new_tokens)}
+
+        def compiled():
+            # transformers' documented recipe: compile the forward, static cache.
+            forward = model.forward
+            try:
+                model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+                with torch.no_grad():
+                    fn = lambda: model.generate(ids, cache_implementation="static",  # noqa: E731
+                                                max_cache_len=max_cache_len,
+                                                disable_compile=True, **common)
+                    started = time.perf_counter()
+                    tokens = fn()
+                    fn()
+                    torch.cuda.synchronize()
+                    compile_s = time.perf_counter() - started
+                    out = {"ms": _ms_per_token(fn, repeats, new_tokens),
+                           "compile_s": round(compile_s, 2)}
+                    if "tokens" in hf_static:
+                        out["same_tokens_as_hf_static"] = bool(torch.equal(tokens, hf_static["tokens"]))
+                    return out
+            finally:
+                model.forward = forward
+                torch._dynamo.reset()
+
+        def ours():
+            model.__dict__.pop("_graphed_decoder", None)
+            with torch.no_grad():
+                fn = lambda: graphed.generate(model, ids, max_cache_len=max_cache_len,  # noqa: E731
+                                              **common)
+                tokens = fn()  # builds the decoder and captures this batch's bucket
+                decoder = model.__dict__["_graphed_decoder"]
+                report = [r for r in decoder.memory_report() if r["captured"]]
+                out = {"ms": _ms_per_token(fn, repeats, new_tokens),
+                       "capture_s": round(sum(r["capture_ms"] for r in report) / 1000, 3),
+                       "graph_mb": round(sum(r["graph_bytes"] for r in report) / 2**20, 2),
+                       "kernels": sum(r["kernels"] for r in report)}
+                if "tokens" in hf_static:
+                    out["same_tokens_as_hf_static"] = bool(torch.equal(tokens, hf_static["tokens"]))
+                # Every bucket of a serving decoder for this batch, captured at once.
+                serving = graphed.Decoder(model, max_batch=max(batch, 1), max_len=max_cache_len,
+                                          do_sample=False, capture=False)
+                started = time.perf_counter()
+                serving.capture()
+                torch.cuda.synchronize()
+                out["capture_all_buckets_s"] = round(time.perf_counter() - started, 3)
+                out["buckets"] = serving.memory_report()
+                del serving
+                return out
+
+        attempt(f"hf_eager_dynamic_b{batch}", dynamic)
+        attempt(f"hf_eager_static_b{batch}", static)
+        if not quick or batch == 1:
+            attempt(f"hf_compile_static_b{batch}", compiled)
+        attempt(f"graphed_generate_b{batch}", ours)
+        floor = record["kernel_floor_ms"].get(str(batch))
+        ours_ms = methods[f"graphed_generate_b{batch}"].get("ms")
+        if floor and ours_ms:
+            methods[f"graphed_generate_b{batch}"]["ratio_to_floor"] = round(ours_ms / floor, 3)
+            dyn = methods[f"hf_eager_dynamic_b{batch}"].get("ms")
+            if dyn:
+                methods[f"graphed_generate_b{batch}"]["speedup_vs_hf_dynamic"] = round(dyn / ours_ms, 2)
+        model.__dict__.pop("_graphed_decoder", None)
+        torch.cuda.empty_cache()
+    return record

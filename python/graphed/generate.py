@@ -1,0 +1,340 @@
+"""graphed.generate and graphed.Decoder: Hugging Face causal LMs decoded on
+captured CUDA graphs.
+
+An adapter only. It turns a transformers model into the two functions the
+core's decoder calls -- the prefill and the one-token decode step, both on a
+StaticCache it sizes and empties -- and maps ``generate``'s arguments onto the
+core's options. The token loop, sampling, finished rows, buckets, graphs and
+memory budget live in C++ (include/graphed/decoder.h). transformers is imported
+only here, and only when a model is adapted.
+"""
+
+import copy
+import weakref
+
+import torch
+
+from . import _C
+
+#: Arguments of ``model.generate`` that graphed.generate takes.
+SUPPORTED_ARGUMENTS = (
+    "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "min_length",
+    "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
+    "streamer", "callback", "max_cache_len", "generation_config", "use_cache",
+)
+
+# Generation settings that change what generate() computes and that the decoder
+# does not implement, with the values that leave them off.
+_NEUTRAL_SETTINGS = {
+    "num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_p": (None,),
+    "typical_p": (None, 1.0), "top_h": (None,), "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
+    "renormalize_logits": (None, False), "remove_invalid_values": (None, False),
+    "exponential_decay_length_penalty": (None,), "guidance_scale": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0), "max_time": (None,), "stop_strings": (None,),
+    "watermarking_config": (None,), "output_scores": (None, False), "output_logits": (None, False),
+    "return_dict_in_generate": (None, False), "prefill_chunk_size": (None,),
+    "assistant_model": (None,), "prompt_lookup_num_tokens": (None,),
+}
+
+_DEFAULTS = {"max_length": 20, "min_length": 0, "do_sample": False, "temperature": 1.0,
+             "top_k": 50, "top_p": 1.0}
+
+
+def _error(message):
+    return _C.GraphedError(message)
+
+
+def _check_model(model):
+    """Refuses, with the reason, models the decoder cannot drive."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "prepare_inputs_for_generation"):
+        raise _error(
+            f"Expected a Hugging Face causal language model (a transformers PreTrainedModel with "
+            f"generate()), got {type(model).__name__}. For a model of your own, use "
+            f"graphed._C.Decoder with your own step and prefill functions.")
+    if getattr(config, "is_encoder_decoder", False):
+        raise _error(f"{type(model).__name__} is an encoder-decoder model; graphed.generate "
+                     f"decodes causal (decoder-only) language models. Use model.generate.")
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in ("sdpa", "eager"):
+        raise _error(f"Expected attn_implementation 'sdpa' or 'eager', got {attention!r}. Load "
+                     f"the model with attn_implementation='sdpa'.")
+    if not model._supports_default_dynamic_cache() or model._get_static_cache_init_shape() is None:
+        raise _error(f"{type(model).__name__} cannot use a StaticCache of one head count and "
+                     f"head size per layer, which the decode graphs need. Use model.generate.")
+
+
+class _StaticCacheModel:
+    """The model's prefill and decode step on one StaticCache of max_batch rows;
+    a batch of n rows works on views of the first n rows of every layer.
+
+    It holds the model weakly: the core's decoder holds this object, and a
+    decoder kept on the model (graphed.generate) would otherwise be a cycle
+    through C++ that Python's collector cannot see, and never be freed."""
+
+    def __init__(self, model, max_batch, max_len):
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        self._model = weakref.ref(model)
+        self.cache = StaticCache(config=model.config.get_text_config(decoder=True),
+                                 max_cache_len=max_len)
+        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
+        if kinds:
+            raise _error(f"{type(model).__name__} needs cache layers of kind {sorted(kinds)} "
+                         f"(sliding windows or the like), which the decode graphs do not "
+                         f"support yet. Use model.generate, or a config without them.")
+        heads, head_dim = model._get_static_cache_init_shape()
+        self.cache.early_initialization(batch_size=max_batch, num_heads=heads, head_dim=head_dim,
+                                        dtype=model.dtype, device=model.device)
+        self.extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        self.views = {}
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise _error("The model this decoder was built for was freed; build a new decoder.")
+        return model
+
+    def view(self, rows):
+        """The cache restricted to its first `rows` rows (same memory, same lengths)."""
+        if rows not in self.views:
+            view = copy.copy(self.cache)
+            view.layers = []
+            for layer in self.cache.layers:
+                part = copy.copy(layer)
+                part.keys, part.values = layer.keys[:rows], layer.values[:rows]
+                part.batch_size = rows
+                view.layers.append(part)
+            self.views[rows] = view
+        return self.views[rows]
+
+    def reset(self):
+        self.cache.reset()
+
+    def _forward(self, input_ids, attention_mask, position_ids, **flags):
+        inputs = self.model.prepare_inputs_for_generation(
+            input_ids, past_key_values=self.view(input_ids.shape[0]),
+            attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+            **flags, **self.extra)
+        return self.model(**inputs, return_dict=True).logits
+
+    def prefill(self, args):
+        input_ids, attention_mask, position_ids = args
+        return self._forward(input_ids, attention_mask, position_ids, is_first_iteration=True)
+
+    def step(self, args):
+        input_ids, position_ids, attention_mask = args
+        return self._forward(input_ids, attention_mask, position_ids, next_sequence_length=1)
+
+
+def _token_list(value):
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.reshape(-1).tolist()]
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _settings(model, arguments):
+    """generate()'s arguments merged over the model's generation config, as
+    model.generate merges them; refuses what the decoder does not implement."""
+    unknown = sorted(set(arguments) - set(SUPPORTED_ARGUMENTS) - set(_NEUTRAL_SETTINGS))
+    if unknown:
+        raise _error(f"graphed.generate does not take {', '.join(unknown)}. It takes "
+                     f"{', '.join(SUPPORTED_ARGUMENTS)}; use model.generate for the rest.")
+    config = arguments.get("generation_config") or getattr(model, "generation_config", None)
+    try:
+        from transformers import GenerationConfig
+        defaults = {**_DEFAULTS, **GenerationConfig._get_default_generation_params()}
+    except (ImportError, AttributeError):
+        defaults = dict(_DEFAULTS)
+
+    def get(name):
+        if arguments.get(name) is not None:
+            return arguments[name]
+        value = getattr(config, name, None)
+        return defaults.get(name) if value is None else value
+
+    for name, neutral in _NEUTRAL_SETTINGS.items():
+        value = get(name)
+        if value not in neutral:
+            raise _error(f"graphed.generate does not implement {name}={value!r} (set in the "
+                         f"call or the model's generation_config); it needs {neutral[-1]!r}. "
+                         f"Use model.generate for it.")
+    if get("use_cache") is False:
+        raise _error("graphed.generate decodes with a KV cache; use_cache=False is not supported.")
+    eos = _token_list(get("eos_token_id"))
+    pad = get("pad_token_id")
+    if pad is None and eos:
+        pad = eos[0]  # as model.generate does, with its warning
+    do_sample = bool(get("do_sample"))
+    return {
+        "max_new_tokens": get("max_new_tokens"), "max_length": get("max_length"),
+        "min_new_tokens": get("min_new_tokens") or 0, "min_length": get("min_length") or 0,
+        "do_sample": do_sample,
+        "temperature": float(get("temperature")) if do_sample else 1.0,
+        "top_k": int(get("top_k") or 0) if do_sample else 0,
+        "top_p": float(get("top_p")) if do_sample else 1.0,
+        "eos_token_ids": eos, "pad_token_id": None if pad is None else int(_token_list(pad)[0]),
+        "max_cache_len": get("max_cache_len"),
+    }
+
+
+def _sampling_key(settings):
+    return tuple(settings[k] for k in ("do_sample", "temperature", "top_k", "top_p",
+                                       "pad_token_id")) + (tuple(settings["eos_token_ids"]),)
+
+
+class Decoder:
+    """Decodes a Hugging Face causal LM on captured graphs, one per batch bucket,
+    for many requests of different batch sizes and prompt lengths.
+
+    ``max_batch`` rows and ``max_len`` cache positions (prompt + new tokens - 1)
+    are allocated once; sampling settings are fixed at construction (they are
+    part of the graphs). ``memory_budget`` ("2GiB" or bytes) evicts least
+    recently used bucket graphs. ``capture=True`` captures every bucket now.
+    """
+
+    def __init__(self, model, max_batch, max_len, *, buckets=None, do_sample=None,
+                 temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None,
+                 check_every=8, memory_budget=None, warmup=2, capture=True, use_graphs=None,
+                 capture_error_mode="global", generation_config=None):
+        _check_model(model)
+        settings = _settings(model, {"do_sample": do_sample, "temperature": temperature,
+                                     "top_k": top_k, "top_p": top_p,
+                                     "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+                                     "generation_config": generation_config})
+        self._settings = settings
+        self.key = _sampling_key(settings)
+        device = model.device
+        if use_graphs is None:
+            use_graphs = device.type == "cuda"
+        # The core validates the options before the cache is allocated; it calls
+        # the adapter only from generate() and capture_all().
+        adapter = []  # filled below; the core must not hold `self` (see _StaticCacheModel)
+        self._core = _C.Decoder(
+            step=lambda args: adapter[0].step(args),
+            prefill=lambda args: adapter[0].prefill(args),
+            reset=lambda: adapter[0].reset(),
+            max_batch=max_batch, max_len=max_len, buckets=list(buckets or []),
+            do_sample=settings["do_sample"], temperature=settings["temperature"],
+            top_k=settings["top_k"], top_p=settings["top_p"], min_tokens_to_keep=1,
+            eos_token_ids=settings["eos_token_ids"], pad_token_id=settings["pad_token_id"],
+            check_every=check_every, memory_budget=memory_budget, warmup=warmup,
+            use_graphs=use_graphs, capture_error_mode=capture_error_mode, device=device)
+        adapter.append(_StaticCacheModel(model, max_batch, max_len))
+        self._adapter = adapter
+        if capture and use_graphs:
+            self.capture()
+
+    @property
+    def cache(self):
+        """The transformers StaticCache the decoder owns (max_batch rows, max_len positions)."""
+        return self._adapter[0].cache
+
+    def capture(self):
+        """Captures every bucket's graph now (generate() captures a bucket on first use)."""
+        with torch.no_grad():
+            self._core.capture_all()
+
+    @property
+    def max_batch(self):
+        return self._core.max_batch
+
+    @property
+    def max_len(self):
+        return self._core.max_len
+
+    @property
+    def buckets(self):
+        return list(self._core.buckets)
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=20, min_new_tokens=0,
+                 streamer=None, callback=None):
+        """Decodes one request; returns ``[batch, prompt_len + n]`` like model.generate."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise _error(f"Expected input_ids as a [batch, prompt_len] tensor of token ids, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}.")
+        self._core.check_request(input_ids.shape[0], input_ids.shape[1], max_new_tokens,
+                                 min_new_tokens)
+        on_token = callback
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+            on_token = _both(streamer.put, callback)
+        with torch.no_grad():
+            tokens, _, _ = self._core.generate(input_ids, attention_mask, max_new_tokens,
+                                               min_new_tokens, on_token)
+        if streamer is not None:
+            streamer.end()
+        return torch.cat([input_ids, tokens], dim=1)
+
+    def memory_report(self):
+        """Per bucket: batch, captured, graph_bytes, capture_ms, kernels, replays, evictions."""
+        return self._core.memory_report()
+
+    def pool_bytes(self):
+        """Bytes the graphs' shared pool reserves now."""
+        return self._core.pool_bytes()
+
+
+def _both(first, second):
+    if second is None:
+        return first
+    return lambda tokens: (first(tokens), second(tokens))
+
+
+def _attention_mask(input_ids, settings):
+    """model.generate's mask for prompts given without one: pad tokens are
+    padding when the pad token is not also an eos token."""
+    pad, eos = settings["pad_token_id"], settings["eos_token_ids"]
+    if pad is None or pad in eos or not bool((input_ids == pad).any()):
+        return None
+    return input_ids.ne(pad).long()
+
+
+def generate(model, input_ids, **arguments):
+    """``model.generate(input_ids, **arguments)`` on captured graphs, returning the
+    same tensor. Greedy decoding gives the tokens of
+    ``model.generate(..., cache_implementation="static")``. The decoder (its
+    cache and graphs) is kept on the model and reused while the batch fits
+    and the cache length and sampling settings are unchanged.
+
+    Takes the arguments in SUPPORTED_ARGUMENTS; ``callback(tokens)`` is called
+    with each step's tokens, as a streamer's ``put``. Anything else, and
+    settings it does not implement, raise graphed.GraphedError before any work.
+    """
+    _check_model(model)
+    settings = _settings(model, arguments)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise _error(f"Expected input_ids as a [batch, prompt_len] tensor of token ids, got "
+                     f"{getattr(input_ids, 'shape', type(input_ids).__name__)}.")
+    batch, prompt_len = input_ids.shape
+    new_tokens = settings["max_new_tokens"]
+    if new_tokens is None:
+        new_tokens = settings["max_length"] - prompt_len
+    if new_tokens < 1:
+        raise _error(f"Nothing to generate: max_length {settings['max_length']} is not above the "
+                     f"prompt length {prompt_len}. Pass max_new_tokens.")
+    min_new = max(settings["min_new_tokens"], settings["min_length"] - prompt_len, 0)
+    max_len = max(prompt_len + new_tokens - 1, settings["max_cache_len"] or 0, 2)
+    mask = arguments.get("attention_mask")
+    if mask is None:
+        mask = _attention_mask(input_ids, settings)
+    decoder = model.__dict__.get("_graphed_decoder")
+    key = _sampling_key(settings)
+    if decoder is None or decoder.key != key or decoder.max_len != max_len or decoder.max_batch < batch:
+        model.__dict__.pop("_graphed_decoder", None)
+        max_batch = 1 << (batch - 1).bit_length()
+        decoder = Decoder(model, max_batch, max_len, capture=False,
+                          **{k: arguments.get(k) for k in ("do_sample", "temperature", "top_k",
+                                                           "top_p", "eos_token_id",
+                                                           "pad_token_id",
+                                                           "generation_config")})
+        model.__dict__["_graphed_decoder"] = decoder
+    return decoder.generate(input_ids, mask, new_tokens, min_new,
+                            streamer=arguments.get("streamer"), callback=arguments.get("callback"))

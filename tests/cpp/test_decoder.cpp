@@ -1,0 +1,359 @@
+// graphed::Decoder: the token selection and the decode loop on the CPU
+// (use_graphs = false runs the same steps eagerly), captured graphs on a GPU.
+
+#include "graphed/check.h"
+#include "graphed/decoder.h"
+#include "test_support.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using graphed::DecodeInputs;
+using graphed::Decoder;
+using graphed::DecoderOptions;
+using graphed::DecodeState;
+using graphed::SamplingOptions;
+
+constexpr int64_t kVocab = 11;
+
+std::vector<int64_t> to_vector(const at::Tensor& tensor) {
+  const at::Tensor flat = tensor.to(at::kCPU).to(at::kLong).contiguous().view(-1);
+  return {flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel()};
+}
+
+// A toy language model with a KV "cache" of one counter: the next token is
+// (token + position + cache length) % kVocab, as one-hot logits. Reading the
+// cache length from a device tensor it advances itself is what a real
+// static-cache model does.
+struct ToyModel {
+  at::Tensor length;  // [1], int64: positions written so far
+
+  explicit ToyModel(c10::Device device)
+      : length(at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device))) {}
+
+  at::Tensor logits_for(const at::Tensor& tokens) const {
+    // scatter_ rather than one_hot, which reads the tokens on the host on some devices.
+    const at::Tensor index = tokens.remainder(kVocab).unsqueeze(1);
+    return at::zeros({tokens.size(0), kVocab}, tokens.options().dtype(at::kFloat))
+        .scatter_(1, index, 1.0);
+  }
+
+  at::Tensor step(const DecodeInputs& inputs) {
+    length.add_(1);  // the token's key and value are appended, then attended to
+    return logits_for(inputs.input_ids.select(1, 0) + inputs.position_ids.select(1, 0) + length);
+  }
+
+  at::Tensor prefill(const at::Tensor& ids, const at::Tensor& mask, const at::Tensor& positions) {
+    length.add_(ids.size(1));
+    return logits_for(ids.select(1, -1) + positions.select(1, -1) + length).unsqueeze(1);
+  }
+
+  // What the loop must produce, computed on the host.
+  std::vector<std::vector<int64_t>> expected(const std::vector<std::vector<int64_t>>& prompts,
+                                             const std::vector<int64_t>& ones, int64_t new_tokens,
+                                             int64_t eos = -1, int64_t pad = 0) const {
+    std::vector<std::vector<int64_t>> rows;
+    for (size_t row = 0; row < prompts.size(); ++row) {
+      const int64_t len = static_cast<int64_t>(prompts[row].size());
+      int64_t token = prompts[row].back();
+      int64_t position = ones[row] - 1;
+      int64_t cache = len;
+      bool finished = false;
+      std::vector<int64_t> out;
+      for (int64_t i = 0; i < new_tokens; ++i) {
+        int64_t next = (token + position + cache) % kVocab;
+        if (finished) next = pad;
+        if (next == eos) finished = true;
+        out.push_back(next);
+        token = next;
+        position += 1;
+        cache += 1;
+      }
+      rows.push_back(out);
+    }
+    return rows;
+  }
+};
+
+DecoderOptions toy_options(int64_t max_batch, int64_t max_len, bool graphs) {
+  DecoderOptions options;
+  options.max_batch = max_batch;
+  options.max_len = max_len;
+  options.use_graphs = graphs;
+  options.check_every = 3;
+  return options;
+}
+
+Decoder toy_decoder(ToyModel& model, DecoderOptions options, c10::Device device) {
+  options.reset_cache = [&model] { model.length.zero_(); };
+  return Decoder([&model](const DecodeInputs& in) { return model.step(in); },
+                 [&model](const at::Tensor& ids, const at::Tensor& mask, const at::Tensor& pos) {
+                   return model.prefill(ids, mask, pos);
+                 },
+                 std::move(options), device);
+}
+
+TEST(DecoderOptions, DefaultBucketsArePowersOfTwoThenMaxBatch) {
+  EXPECT_EQ(graphed::default_batch_buckets(1), (std::vector<int64_t>{1}));
+  EXPECT_EQ(graphed::default_batch_buckets(8), (std::vector<int64_t>{1, 2, 4, 8}));
+  EXPECT_EQ(graphed::default_batch_buckets(6), (std::vector<int64_t>{1, 2, 4, 6}));
+}
+
+TEST(DecoderOptions, BadOptionsNameTheLimit) {
+  DecoderOptions options = toy_options(4, 16, false);
+  options.max_len = 1;
+  EXPECT_THROW_WITH(graphed::validate_decoder_options(options), graphed::Error, "max_len");
+  options = toy_options(4, 16, false);
+  options.batch_buckets = {1, 2};
+  EXPECT_THROW_WITH(graphed::validate_decoder_options(options), graphed::Error,
+                    "below max_batch (4)");
+  options.batch_buckets = {1, 8};
+  EXPECT_THROW_WITH(graphed::validate_decoder_options(options), graphed::Error,
+                    "above max_batch (4)");
+  options = toy_options(4, 16, false);
+  options.eos_token_ids = {2};
+  EXPECT_THROW_WITH(graphed::validate_decoder_options(options), graphed::Error, "pad_token_id");
+  options = toy_options(4, 16, false);
+  options.sampling.temperature = 0.0;
+  EXPECT_THROW_WITH(graphed::validate_decoder_options(options), graphed::Error, "do_sample");
+  options = toy_options(4, 16, false);
+  options.sampling.top_p = 0.0;
+  EXPECT_THROW_WITH(graphed::validate_decoder_options(options), graphed::Error, "top_p");
+  options = toy_options(4, 16, false);
+  options.batch_buckets = {4, 2, 2};
+  EXPECT_EQ(graphed::validate_decoder_options(options), (std::vector<int64_t>{2, 4}));
+}
+
+TEST(DecoderOptions, GraphsOnTheCpuAreRefusedWithTheFix) {
+  ToyModel model(at::kCPU);
+  EXPECT_THROW_WITH(toy_decoder(model, toy_options(2, 8, true), at::kCPU), graphed::Error,
+                    "use_graphs=false");
+}
+
+TEST(PromptPositions, CountAttendedTokensLikeHuggingFace) {
+  const at::Tensor mask = at::tensor({0, 0, 1, 1, 1, 1, 1, 1}, at::kLong).view({2, 4});
+  EXPECT_EQ(to_vector(graphed::prompt_positions(mask)),
+            (std::vector<int64_t>{0, 0, 0, 1, 0, 1, 2, 3}));
+}
+
+TEST(SelectNextTokens, GreedyWritesTokensFinishesRowsAndPads) {
+  DecodeState state = graphed::make_decode_state(3, 4, at::kCPU);
+  const at::Tensor eos = at::tensor({5}, at::kLong);
+  at::Tensor logits = at::zeros({3, kVocab});
+  logits.index_put_({0, 5}, 1.0);  // row 0 emits eos
+  logits.index_put_({1, 7}, 1.0);
+  logits.index_put_({2, 3}, 1.0);
+  state.finished.index_put_({2}, true);  // row 2 finished earlier: emits pad
+  const at::Tensor next = graphed::select_next_tokens(logits, state, {}, eos, 9);
+  EXPECT_EQ(to_vector(next), (std::vector<int64_t>{5, 7, 9}));
+  EXPECT_EQ(to_vector(state.tokens.select(1, 0)), (std::vector<int64_t>{5, 7, 9}));
+  EXPECT_EQ(to_vector(state.finished), (std::vector<int64_t>{1, 0, 1}));
+  EXPECT_EQ(to_vector(state.step), (std::vector<int64_t>{1}));
+  EXPECT_EQ(to_vector(state.generated), (std::vector<int64_t>{1}));
+  EXPECT_FALSE(state.done.item<bool>());
+  logits.zero_();
+  logits.index_put_({1, 5}, 1.0);
+  (void)graphed::select_next_tokens(logits, state, {}, eos, 9);
+  EXPECT_TRUE(state.done.item<bool>());
+  EXPECT_EQ(to_vector(state.tokens.select(1, 1)), (std::vector<int64_t>{9, 5, 9}));
+  // A step taken after every row finished does not count.
+  (void)graphed::select_next_tokens(logits, state, {}, eos, 9);
+  EXPECT_EQ(to_vector(state.generated), (std::vector<int64_t>{2}));
+  EXPECT_EQ(to_vector(state.step), (std::vector<int64_t>{3}));
+}
+
+TEST(SelectNextTokens, MinNewTokensSuppressEosUntilReached) {
+  DecodeState state = graphed::make_decode_state(1, 4, at::kCPU);
+  state.min_new_tokens.fill_(2);
+  const at::Tensor eos = at::tensor({5}, at::kLong);
+  at::Tensor logits = at::zeros({1, kVocab});
+  logits.index_put_({0, 5}, 2.0);
+  logits.index_put_({0, 4}, 1.0);
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, eos, 0)),
+            (std::vector<int64_t>{4}));
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, eos, 0)),
+            (std::vector<int64_t>{4}));
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, eos, 0)),
+            (std::vector<int64_t>{5}));
+}
+
+TEST(SelectNextTokens, TopKOneAndTinyTopPAreGreedy) {
+  at::manual_seed(0);
+  const at::Tensor logits = at::randn({64, kVocab});
+  const std::vector<int64_t> argmax = to_vector(logits.argmax(-1));
+  SamplingOptions top_k;
+  top_k.do_sample = true;
+  top_k.top_k = 1;
+  DecodeState state = graphed::make_decode_state(64, 1, at::kCPU);
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, top_k, at::Tensor(), {})), argmax);
+  SamplingOptions top_p;
+  top_p.do_sample = true;
+  top_p.top_p = 1e-6;
+  state = graphed::make_decode_state(64, 1, at::kCPU);
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, top_p, at::Tensor(), {})), argmax);
+}
+
+// The draws follow softmax(logits / temperature) restricted to the top k.
+void expect_sampling_follows_distribution(c10::Device device) {
+  at::manual_seed(0);
+  const int64_t rows = 40000;
+  const at::Tensor base = at::tensor({2.0, 1.5, 1.0, 0.5, 0.0, -1.0}, at::kFloat);
+  SamplingOptions sampling;
+  sampling.do_sample = true;
+  sampling.temperature = 0.8;
+  sampling.top_k = 4;
+  DecodeState state = graphed::make_decode_state(rows, 1, device);
+  const at::Tensor logits = base.to(device).expand({rows, 6});
+  const at::Tensor next = graphed::select_next_tokens(logits, state, sampling, at::Tensor(), {});
+  const at::Tensor counts = at::bincount(next.cpu(), {}, 6).to(at::kDouble) / rows;
+  at::Tensor expected = at::softmax(base.narrow(0, 0, 4).to(at::kDouble) / 0.8, 0);
+  expected = at::cat({expected, at::zeros({2}, at::kDouble)});
+  for (int64_t i = 0; i < 6; ++i) {
+    const double p = expected[i].item<double>();
+    const double tolerance = 5.0 * std::sqrt(p * (1 - p) / rows) + 1e-12;
+    EXPECT_NEAR(counts[i].item<double>(), p, tolerance) << "token " << i;
+  }
+}
+
+TEST(SelectNextTokens, SamplingFollowsTheDistribution) {
+  expect_sampling_follows_distribution(at::kCPU);
+}
+
+TEST(DecoderLoop, GreedyPaddedBatchMatchesTheHostReference) {
+  ToyModel model(at::kCPU);
+  Decoder decoder = toy_decoder(model, toy_options(4, 16, false), at::kCPU);
+  // Three rows run in bucket 4; row 1 is left-padded.
+  const at::Tensor ids = at::tensor({3, 4, 5, 0, 2, 7, 1, 1, 1}, at::kLong).view({3, 3});
+  const at::Tensor mask = at::tensor({1, 1, 1, 0, 1, 1, 1, 1, 1}, at::kLong).view({3, 3});
+  const graphed::DecodeResult result = decoder.generate(ids, mask, 6);
+  EXPECT_EQ(result.bucket, 4);
+  EXPECT_EQ(result.steps, 6);
+  const auto expected = model.expected({{3, 4, 5}, {0, 2, 7}, {1, 1, 1}}, {3, 2, 3}, 6);
+  ASSERT_EQ(result.tokens.sizes(), (std::vector<int64_t>{3, 6}));
+  for (int64_t row = 0; row < 3; ++row) {
+    EXPECT_EQ(to_vector(result.tokens[row]), expected[row]) << "row " << row;
+  }
+}
+
+TEST(DecoderLoop, StopsWhenEveryRowFinishedWithHuggingFacesLength) {
+  ToyModel model(at::kCPU);
+  DecoderOptions options = toy_options(2, 32, false);
+  // From prompt [1], position 0, cache 1 the tokens are 2, 5, 0, 2, ...: eos 5
+  // is the second token.
+  options.eos_token_ids = {5};
+  options.pad_token_id = 10;
+  Decoder decoder = toy_decoder(model, options, at::kCPU);
+  const at::Tensor ids = at::tensor({1}, at::kLong).view({1, 1});
+  const graphed::DecodeResult result = decoder.generate(ids, at::Tensor(), 20);
+  EXPECT_EQ(to_vector(result.tokens), (std::vector<int64_t>{2, 5}));
+  // The done flag is read every check_every (3) tokens: one wasted step.
+  EXPECT_EQ(result.steps, 3);
+}
+
+TEST(DecoderLoop, CallbackSeesEveryTokenAndStopsAtOnce) {
+  ToyModel model(at::kCPU);
+  DecoderOptions options = toy_options(1, 32, false);
+  options.eos_token_ids = {5};
+  options.pad_token_id = 10;
+  Decoder decoder = toy_decoder(model, options, at::kCPU);
+  std::vector<int64_t> seen;
+  const graphed::DecodeResult result =
+      decoder.generate(at::tensor({1}, at::kLong).view({1, 1}), at::Tensor(), 20, 0,
+                       [&](const at::Tensor& tokens) { seen.push_back(tokens.item<int64_t>()); });
+  EXPECT_EQ(seen, (std::vector<int64_t>{2, 5}));
+  EXPECT_EQ(result.steps, 2);
+}
+
+TEST(DecoderLoop, RequestsOverTheLimitsAreRefusedBeforeAnyWork) {
+  ToyModel model(at::kCPU);
+  Decoder decoder = toy_decoder(model, toy_options(2, 8, false), at::kCPU);
+  const at::Tensor three_rows = at::zeros({3, 2}, at::kLong);
+  EXPECT_THROW_WITH(decoder.generate(three_rows, at::Tensor(), 2), graphed::Error,
+                    "max_batch >= 3");
+  const at::Tensor long_prompt = at::zeros({1, 6}, at::kLong);
+  EXPECT_THROW_WITH(decoder.generate(long_prompt, at::Tensor(), 4), graphed::Error,
+                    "needs 9 cache positions");
+  EXPECT_EQ(to_vector(model.length), (std::vector<int64_t>{0}));
+}
+
+class DecoderOnGpu : public ::testing::Test {
+ protected:
+  void SetUp() override { GRAPHED_REQUIRE_GPU(); }
+};
+
+TEST_F(DecoderOnGpu, GraphsGiveTheEagerTokensForEveryBucket) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  ToyModel graphed_model(gpu);
+  ToyModel eager_model(gpu);
+  DecoderOptions options = toy_options(8, 64, true);
+  options.eos_token_ids = {5};
+  options.pad_token_id = 10;
+  Decoder captured = toy_decoder(graphed_model, options, gpu);
+  options.use_graphs = false;
+  Decoder eager = toy_decoder(eager_model, options, gpu);
+  captured.capture_all();
+  for (int64_t batch : {1, 3, 8}) {
+    const at::Tensor ids =
+        at::randint(0, kVocab, {batch, 5}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    const auto a = captured.generate(ids, at::Tensor(), 40);
+    const auto b = eager.generate(ids, at::Tensor(), 40);
+    EXPECT_TRUE(at::equal(a.tokens, b.tokens)) << "batch " << batch;
+  }
+  for (const graphed::BucketReport& report : captured.memory_report()) {
+    EXPECT_TRUE(report.captured) << "bucket " << report.batch;
+    EXPECT_GT(report.kernels, 0);
+  }
+}
+
+TEST_F(DecoderOnGpu, ReplaysDrawNewRandomNumbers) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  expect_sampling_follows_distribution(gpu);
+  // A step whose logits are uniform: every replay samples anew.
+  at::Tensor length = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  DecoderOptions options = toy_options(32, 64, true);
+  options.sampling.do_sample = true;
+  Decoder decoder(
+      [](const DecodeInputs& in) {
+        return at::zeros({in.batch, 1000}, in.input_ids.options().dtype(at::kFloat));
+      },
+      [](const at::Tensor& ids, const at::Tensor&, const at::Tensor&) {
+        return at::zeros({ids.size(0), 1000}, ids.options().dtype(at::kFloat));
+      },
+      options, gpu);
+  at::manual_seed(1);
+  const at::Tensor ids = at::zeros({32, 1}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  const at::Tensor first = decoder.generate(ids, at::Tensor(), 50).tokens;
+  const at::Tensor second = decoder.generate(ids, at::Tensor(), 50).tokens;
+  EXPECT_FALSE(at::equal(first, second));
+  // Columns differ too: the graph does not replay the same draw.
+  EXPECT_FALSE(at::equal(first.select(1, 10), first.select(1, 11)));
+  at::manual_seed(1);
+  EXPECT_TRUE(at::equal(decoder.generate(ids, at::Tensor(), 50).tokens, first));
+}
+
+TEST_F(DecoderOnGpu, MemoryBudgetEvictsLeastRecentlyUsedBuckets) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  ToyModel model(gpu);
+  DecoderOptions options = toy_options(4, 16, true);
+  options.memory_budget_bytes = 1;
+  Decoder decoder = toy_decoder(model, options, gpu);
+  const auto ids = [&](int64_t batch) {
+    return at::ones({batch, 2}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  };
+  (void)decoder.generate(ids(1), at::Tensor(), 4);
+  (void)decoder.generate(ids(4), at::Tensor(), 4);
+  int64_t captured = 0;
+  for (const graphed::BucketReport& report : decoder.memory_report()) {
+    captured += report.captured ? 1 : 0;
+  }
+  // The budget is below any graph: only the bucket in use stays.
+  EXPECT_LE(captured, 1);
+  EXPECT_TRUE(decoder.memory_report().back().captured);
+}
+
+}  // namespace

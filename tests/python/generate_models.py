@@ -1,0 +1,50 @@
+"""Small Hugging Face causal LMs, random init from configs, for the generate tests."""
+
+import torch
+
+ARCHITECTURES = ("llama", "gpt2", "qwen2")
+
+
+def tiny_model(arch, device="cpu", vocab=128, layers=2):
+    """A 2-layer model of `arch` with GQA where the architecture has it, in eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4,
+                                         n_positions=512, bos_token_id=vocab - 1,
+                                         eos_token_id=vocab - 1)
+        model = transformers.GPT2LMHeadModel(config)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    return model.to(device).eval()
+
+
+def left_padded_prompts(batch, length, vocab, device, pad_token_id=0, seed=1):
+    """Random prompts; every second row is left-padded by a few tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab - 1, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch, 2):
+        pad = 1 + row % 3
+        ids[row, :pad] = pad_token_id
+        mask[row, :pad] = 0
+    return ids.to(device), mask.to(device)
+
+
+def hf_static_generate(model, ids, mask, max_new_tokens, max_cache_len, **kwargs):
+    """model.generate on transformers' StaticCache, eager (auto-compile off)."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                              cache_implementation="static", max_cache_len=max_cache_len,
+                              disable_compile=True, **kwargs)
