@@ -244,14 +244,18 @@ class Decoder:
 
     @property
     def max_batch(self):
+        """The largest batch a request may have (rows of the static KV cache)."""
         return self._core.max_batch
 
     @property
     def max_len(self):
+        """Positions in the KV cache: a request needs prompt length + max_new_tokens - 1."""
         return self._core.max_len
 
     @property
     def buckets(self):
+        """The batch sizes decode graphs are captured for; a batch runs in the smallest
+        bucket that holds it, its extra rows ignored."""
         return list(self._core.buckets)
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens=20, min_new_tokens=0,
