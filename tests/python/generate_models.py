@@ -48,3 +48,23 @@ def hf_static_generate(model, ids, mask, max_new_tokens, max_cache_len, **kwargs
         return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                               cache_implementation="static", max_cache_len=max_cache_len,
                               disable_compile=True, **kwargs)
+
+
+def assert_eos_and_min_new_tokens_follow_hf(model, ids, mask, max_new_tokens, max_cache_len,
+                                            eos_after, min_new_tokens):
+    """The token row 0 generates `eos_after` tokens in becomes the eos token;
+    graphed.generate must then stop rows where model.generate stops them, for
+    each value of min_new_tokens."""
+    import graphed
+
+    prompt_len = ids.shape[1]
+    free = hf_static_generate(model, ids, mask, max_new_tokens, max_cache_len=max_cache_len,
+                              eos_token_id=None)
+    eos = int(free[0, prompt_len + eos_after])
+    for min_new in min_new_tokens:
+        want = hf_static_generate(model, ids, mask, max_new_tokens, max_cache_len=max_cache_len,
+                                  eos_token_id=eos, pad_token_id=0, min_new_tokens=min_new)
+        got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                               max_cache_len=max_cache_len, eos_token_id=eos, pad_token_id=0,
+                               min_new_tokens=min_new)
+        assert torch.equal(got, want), min_new

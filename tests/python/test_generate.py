@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import graphed
-from generate_models import ARCHITECTURES, hf_static_generate, left_padded_prompts, tiny_model
+from generate_models import (ARCHITECTURES, assert_eos_and_min_new_tokens_follow_hf,
+                             hf_static_generate, left_padded_prompts, tiny_model)
 
 pytest.importorskip("transformers")
 
@@ -24,16 +25,8 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
 def test_eos_and_min_new_tokens_follow_hf():
     model = tiny_model("llama")
     ids, mask = left_padded_prompts(2, 5, model.config.vocab_size, "cpu")
-    free = hf_static_generate(model, ids, mask, 12, max_cache_len=16, eos_token_id=None)
-    eos = int(free[0, 5 + 2])  # the third new token of row 0 becomes eos
-    for min_new in (0, 6):
-        want = hf_static_generate(model, ids, mask, 12, max_cache_len=16, eos_token_id=eos,
-                                  pad_token_id=0, min_new_tokens=min_new)
-        got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=12,
-                               max_cache_len=16, eos_token_id=eos, pad_token_id=0,
-                               min_new_tokens=min_new)
-        assert torch.equal(got, want), min_new
-
+    assert_eos_and_min_new_tokens_follow_hf(model, ids, mask, 12, 16, eos_after=2,
+                                            min_new_tokens=(0, 6))
 
 def test_callback_sees_every_new_token_and_decoder_is_reused():
     model = tiny_model("gpt2")

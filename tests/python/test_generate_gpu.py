@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import graphed
-from generate_models import ARCHITECTURES, hf_static_generate, left_padded_prompts, tiny_model
+from generate_models import (ARCHITECTURES, assert_eos_and_min_new_tokens_follow_hf,
+                             hf_static_generate, left_padded_prompts, tiny_model)
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")
@@ -31,16 +32,8 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
 def test_eos_and_min_new_tokens_follow_hf():
     model = tiny_model("llama", "cuda")
     ids, mask = left_padded_prompts(8, 6, model.config.vocab_size, "cuda")
-    free = hf_static_generate(model, ids, mask, 30, max_cache_len=40, eos_token_id=None)
-    eos = int(free[0, 6 + 3])
-    for min_new in (0, 10):
-        want = hf_static_generate(model, ids, mask, 30, max_cache_len=40, eos_token_id=eos,
-                                  pad_token_id=0, min_new_tokens=min_new)
-        got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=30,
-                               max_cache_len=40, eos_token_id=eos, pad_token_id=0,
-                               min_new_tokens=min_new)
-        assert torch.equal(got, want), min_new
-
+    assert_eos_and_min_new_tokens_follow_hf(model, ids, mask, 30, 40, eos_after=3,
+                                            min_new_tokens=(0, 10))
 
 def test_one_decoder_serves_batches_and_prompt_lengths():
     model = tiny_model("llama", "cuda")
