@@ -5,6 +5,7 @@
 #include "graphed/static_io.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>

@@ -16,7 +16,7 @@ using c10::IValue;
 OperatorCall call_of(std::string_view name, const std::vector<IValue>& inputs) {
   OperatorCall call;
   call.name = name;
-  call.inputs = inputs;
+  call.inputs = c10::ArrayRef<const IValue>(inputs.data(), inputs.size());
   for (const IValue& input : inputs) collect_operator_tensors(input, call.tensors);
   call.on_gpu = is_gpu_work(call);
   return call;
