@@ -45,7 +45,7 @@ auto no_accumulator(const Strong& /*names autograd's owning pointer type*/) {
 // node kept alive by the user's previous loss, not DistributedDataParallel's);
 // warm-up on the capture stream then creates a fresh one there. Returns true
 // when it did. See Note [Gradient accumulators on the capture stream] in
-// graphed_callable.cpp.
+// graph_pair.cpp.
 inline bool detach_stale_gradient_accumulator(const at::Tensor& parameter, c10::Stream capture) {
   if (!parameter.defined() || !parameter.requires_grad() || !parameter.is_leaf()) {
     return false;

@@ -2,7 +2,7 @@
 
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
-#include "graphed/graph_manager.h"
+#include "graphed/memory_budget.h"
 #include "graphed/state_snapshot.h"
 
 #include <ATen/ATen.h>

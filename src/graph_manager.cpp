@@ -1,76 +1,25 @@
 #include "graphed/graph_manager.h"
 
 #include "graphed/check.h"
-#include "graphed/graphed_callable.h"
 #include "graphed/safety_check.h"
 #include "graphed/state_snapshot.h"
 #include "graphed/static_io.h"
 #include "graphed/tensor_identity.h"
+#include "graphed/training_group.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
-#include <cctype>
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <iomanip>
+#include <iterator>
 #include <sstream>
 #include <unordered_set>
 
 namespace graphed {
-
-// Note [Training entries]
-// ~~~~~~~~~~~~~~~~~~~~~~~
-// A call in grad mode whose inputs or parameters require grad needs outputs
-// with autograd history: a forward graph and a backward graph joined by an
-// autograd function (as make_graphed_callables builds them). GraphManager
-// treats such an entry like any other GraphEntry -- keyed by signature and
-// mode, replayed through run(), evicted by the budget -- and asks
-// GraphEntryFactories::training to capture it. That factory is the single
-// integration point of the training path: while it is unset, training calls
-// run eagerly and are counted as fallbacks with the reason
-// kTrainingGraphsUnavailable (see GraphManager::call_locked), never silently.
-// make_training_entry is the factory graphed.auto plugs in.
-//
-// A training entry made on demand (a new signature after the first capture, a
-// module left out of the group below) captures its forward and its backward
-// graph at once, in a pool of its own. Sharing a pool with graphs captured
-// at other times would be wrong: module 2's forward captured after module 1's
-// backward could reuse the activations module 1's backward frees at capture,
-// which at run time are still waiting for that backward (forward 1,
-// forward 2, backward 2, backward 1).
-//
-// Note [Training graphs captured together]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// One pool for the training graphs of all modules is safe when they are
-// captured together in the order they run, as make_graphed_callables does:
-// a graph captured later reuses only memory that an earlier one freed
-// before it in that order. So the manager records that order during warm-up:
-// each module's last warm-up call in training mode adds its forward to the
-// record and hooks its outputs, whose first gradient adds the start of its
-// backward (on autograd's thread, hence the recorder's own lock). The call
-// also keeps a copy of its inputs as the sample to capture with. On the
-// first call after warm-up that needs a training graph, every recorded
-// module whose forward and backward ran once joins one make_graphed_callables
-// call with the recorded order (Transformer Engine's convention, Note
-// [Pipeline order]): forwards in call order and backwards as they ran,
-// usually reversed, but two losses backpropagated one after the other are
-// recorded as they happen. Replays are then checked against that order (Note
-// [Replays follow the capture order]); a call out of order cannot replay
-// without corrupting a pending backward, so it runs eagerly and is counted
-// (or raises with fallback="raise").
-//
-// A module called several times per step, or whose outputs got no gradient,
-// is left out (TrainingGroupStats::left_out) and captured on its own. If the
-// group fails to capture, nothing is kept and each member is captured on its
-// own, so that the module that cannot be captured falls back alone. On the
-// GPT of bench/gpt_train.py (six layers) the method's memory went from 568 MB
-// with a pool per module to 428 MB with one pool (H200, gpt_train
-// graphed_auto in bench/results/h200.json, runs before and after this
-// change; memory, unlike time, compares across runs).
 
 namespace {
 
@@ -79,147 +28,7 @@ double elapsed_ms(std::chrono::steady_clock::time_point since) {
       .count();
 }
 
-std::string lower(std::string_view text) {
-  std::string out(text);
-  std::transform(out.begin(), out.end(), out.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return out;
-}
-
-std::string trim(std::string_view text) {
-  size_t begin = 0;
-  size_t end = text.size();
-  while (begin < end && std::isspace(static_cast<unsigned char>(text[begin]))) ++begin;
-  while (end > begin && std::isspace(static_cast<unsigned char>(text[end - 1]))) --end;
-  return std::string(text.substr(begin, end - begin));
-}
-
-// True when `inner` is `outer` or lies inside it ("blocks.0.mlp" in "blocks.0").
-bool is_within(const std::string& inner, const std::string& outer) {
-  if (outer.empty()) return true;
-  return inner == outer ||
-         (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
-          inner[outer.size()] == '.');
-}
-
-std::string parent_of(const std::string& name) {
-  const size_t dot = name.rfind('.');
-  return dot == std::string::npos ? std::string() : name.substr(0, dot);
-}
-
 std::string shown(const std::string& name) { return name.empty() ? "<root>" : name; }
-
-// What identifies the graph a call needs: the structure, tensor properties at
-// bucket sizes and constants of its inputs, and its mode. Built on every call,
-// so it is flat: codes for everything but constants, compared as vectors.
-struct CallKey {
-  std::vector<int64_t> codes;
-  std::vector<c10::IValue> constants;
-
-  bool operator==(const CallKey& other) const {
-    if (codes != other.codes || constants.size() != other.constants.size()) {
-      return false;
-    }
-    for (size_t i = 0; i < constants.size(); ++i) {
-      if (!constants_equal(constants[i], other.constants[i])) return false;
-    }
-    return true;
-  }
-};
-
-enum KeyCode : int64_t { kTensorCode = -1, kTupleCode = -2, kListCode = -3, kDictCode = -4,
-                         kConstantCode = -5, kUndefinedCode = -6 };
-
-void encode(const c10::IValue& value, const BucketPlan& plan, CallKey& key) {
-  if (value.isTensor()) {
-    const at::Tensor& tensor = value.toTensor();
-    if (!tensor.defined()) {
-      key.codes.push_back(kUndefinedCode);
-      return;
-    }
-    key.codes.push_back(kTensorCode);
-    key.codes.push_back(static_cast<int64_t>(tensor.scalar_type()));
-    key.codes.push_back(static_cast<int64_t>(tensor.device().type()));
-    key.codes.push_back(tensor.device().index());
-    key.codes.push_back(tensor.requires_grad() ? 1 : 0);
-    key.codes.push_back(tensor.dim());
-    const c10::IntArrayRef sizes = tensor.sizes();
-    const size_t first = key.codes.size();
-    key.codes.insert(key.codes.end(), sizes.begin(), sizes.end());
-    for (const BucketedDim& d : plan.dims()) {
-      if (d.dim < tensor.dim()) {
-        key.codes[first + d.dim] = d.padded;
-      }
-    }
-  } else if (value.isTuple()) {
-    const auto& elements = value.toTupleRef().elements();
-    key.codes.push_back(kTupleCode);
-    key.codes.push_back(static_cast<int64_t>(elements.size()));
-    for (const c10::IValue& element : elements) encode(element, plan, key);
-  } else if (value.isList()) {
-    const auto list = value.toListRef();
-    key.codes.push_back(kListCode);
-    key.codes.push_back(static_cast<int64_t>(list.size()));
-    for (const c10::IValue& element : list) encode(element, plan, key);
-  } else if (value.isGenericDict()) {
-    const auto dict = value.toGenericDict();
-    key.codes.push_back(kDictCode);
-    key.codes.push_back(static_cast<int64_t>(dict.size()));
-    for (const auto& entry : dict) {
-      key.constants.push_back(entry.key());
-      encode(entry.value(), plan, key);
-    }
-  } else {
-    key.codes.push_back(kConstantCode);
-    key.constants.push_back(value);
-  }
-}
-
-CallKey key_of(const std::vector<c10::IValue>& inputs, const BucketPlan& plan, CallMode mode) {
-  CallKey key;
-  key.codes.push_back(static_cast<int64_t>(mode));
-  for (const c10::IValue& input : inputs) encode(input, plan, key);
-  return key;
-}
-
-// The tensors of the inputs with their paths, for bucket planning.
-void collect(const c10::IValue& value, const std::string& path, std::vector<at::Tensor>& tensors,
-             std::vector<std::string>& paths) {
-  if (value.isTensor()) {
-    if (value.toTensor().defined()) {
-      tensors.push_back(value.toTensor());
-      paths.push_back(path);
-    }
-  } else if (value.isTuple()) {
-    const auto& elements = value.toTupleRef().elements();
-    for (size_t i = 0; i < elements.size(); ++i) {
-      collect(elements[i], c10::str(path, "[", i, "]"), tensors, paths);
-    }
-  } else if (value.isList()) {
-    const auto list = value.toListRef();
-    for (size_t i = 0; i < list.size(); ++i) {
-      collect(list[i], c10::str(path, "[", i, "]"), tensors, paths);
-    }
-  } else if (value.isGenericDict()) {
-    for (const auto& entry : value.toGenericDict()) {
-      std::ostringstream key;
-      if (entry.key().isString()) {
-        key << "'" << entry.key().toStringRef() << "'";
-      } else {
-        key << entry.key();
-      }
-      collect(entry.value(), c10::str(path, "[", key.str(), "]"), tensors, paths);
-    }
-  }
-}
-
-int64_t tensor_bytes(const std::vector<at::Tensor>& tensors) {
-  int64_t bytes = 0;
-  for (const at::Tensor& tensor : tensors) {
-    if (tensor.defined()) bytes += static_cast<int64_t>(tensor.nbytes());
-  }
-  return bytes;
-}
 
 std::string describe_finding(const SafetyFinding& finding) {
   std::ostringstream out;
@@ -241,484 +50,13 @@ std::string first_line(const std::string& text) {
   return end == std::string::npos ? text : text.substr(0, end);
 }
 
-// An entry captured with graphed::capture; see make_inference_entry.
-class InferenceEntry final : public GraphEntry {
- public:
-  InferenceEntry(CapturedFunction function, int64_t bytes, double capture_ms)
-      : function_(std::move(function)), bytes_(bytes), capture_ms_(capture_ms) {}
-
-  c10::IValue run(const std::vector<c10::IValue>& inputs, const BucketPlan& plan) override {
-    if (!plan.pads()) {
-      return function_(inputs);
-    }
-    // Write each short input into the front of its static buffer and pass the
-    // buffer itself, so that the captured function copies nothing more.
-    const std::vector<at::Tensor>& buffers = function_.static_inputs();
-    std::vector<at::Tensor> originals;
-    std::vector<c10::IValue> padded;
-    padded.reserve(inputs.size());
-    {
-      c10::NoGradGuard no_grad;
-      for (const c10::IValue& input : inputs) {
-        padded.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
-          const at::Tensor& buffer = buffers.at(originals.size());
-          originals.push_back(tensor);
-          if (tensor.sizes().equals(buffer.sizes())) {
-            return tensor;
-          }
-          front_of(buffer, tensor.sizes()).copy_(tensor, /*non_blocking=*/true);
-          return buffer;
-        }));
-      }
-    }
-    c10::IValue outputs = function_(padded);
-    if (!function_.mutated_inputs().empty()) {
-      c10::NoGradGuard no_grad;
-      for (size_t index : function_.mutated_inputs()) {
-        const at::Tensor& original = originals[index];
-        if (!original.sizes().equals(buffers[index].sizes())) {
-          original.copy_(front_of(buffers[index], original.sizes()), /*non_blocking=*/true);
-        }
-      }
-    }
-    return slice_to_call(outputs, plan);
-  }
-
-  int64_t memory_bytes() const override { return bytes_; }
-  const Signature& signature() const override { return function_.signature(); }
-  int64_t pool_reserved_bytes() const override {
-    return function_.graph().stats().pool_reserved_bytes;
-  }
-  double capture_ms() const override { return capture_ms_; }
-
- private:
-  static at::Tensor front_of(const at::Tensor& buffer, c10::IntArrayRef sizes) {
-    at::Tensor view = buffer;
-    for (int64_t dim = 0; dim < view.dim(); ++dim) {
-      if (view.size(dim) != sizes[dim]) view = view.narrow(dim, 0, sizes[dim]);
-    }
-    return view;
-  }
-
-  CapturedFunction function_;
-  int64_t bytes_;
-  double capture_ms_;
-};
-
-// A training entry: forward and backward graphs of one module for one
-// signature, built by make_graphed_callables; see make_training_entry and
-// make_training_group.
-class TrainingEntry final : public GraphEntry {
- public:
-  TrainingEntry(std::shared_ptr<GraphedCallable> callable, int64_t bytes, double capture_ms)
-      : callable_(std::move(callable)), bytes_(bytes), capture_ms_(capture_ms) {}
-
-  c10::IValue run(const std::vector<c10::IValue>& inputs, const BucketPlan& plan) override {
-    GRAPHED_CHECK(!plan.pads(), "Expected a training call of ", callable_->description(),
-                  " at the exact size of its graphs, but its inputs would be padded to a "
-                  "bucket. Padding would change the loss (padded rows get gradients); train "
-                  "at bucket sizes, or leave buckets for inference.");
-    return callable_->call(inputs, std::nullopt);
-  }
-
-  int64_t memory_bytes() const override { return bytes_; }
-  const Signature& signature() const override { return callable_->signature(); }
-  int64_t pool_reserved_bytes() const override { return pool_bytes(*callable_); }
-  double capture_ms() const override { return capture_ms_; }
-
-  // Bytes the callable's pool holds now.
-  static int64_t pool_bytes(const GraphedCallable& callable) {
-    int64_t bytes = 0;
-    for (const GraphedPassInfo& info : callable.graphs()) {
-      bytes = std::max(bytes, info.graph.pool_reserved_bytes);
-    }
-    return bytes;
-  }
-
- private:
-  std::shared_ptr<GraphedCallable> callable_;
-  int64_t bytes_;
-  double capture_ms_;
-};
-
-// The module of a training request as make_graphed_callables takes it.
-GraphableCallable graphable_request(const GraphEntryRequest& request) {
-  GRAPHED_CHECK(request.module != nullptr, "A training entry needs its module.");
-  for (const c10::IValue& input : request.sample) {
-    for_each_tensor(input, [&](const at::Tensor& tensor) {
-      GRAPHED_CHECK_AS(CaptureError, tensor.is_cuda(), "Cannot graph ",
-                       request.description, " for training: an input is ",
-                       describe_tensor(tensor), ", and graphs replay GPU work only. Move the "
-                       "model and its inputs to the GPU.");
-    });
-  }
-  GraphableCallable callable;
-  callable.function = request.module->forward;
-  callable.parameters = request.module->parameters;
-  callable.state = request.module->state;
-  callable.description = request.description;
-  return callable;
-}
-
-// Bytes of the static input buffers of a callable (outside the pool).
-int64_t static_input_bytes(const GraphedCallable& callable) {
-  int64_t bytes = 0;
-  for (const TensorSpec& spec : callable.signature().tensor_specs()) {
-    int64_t elements = 1;
-    for (int64_t size : spec.sizes) elements *= size;
-    bytes += elements * static_cast<int64_t>(c10::elementSize(spec.dtype));
-  }
-  return bytes;
-}
-
-GraphedCallablesOptions training_options(const GraphEntryRequest& request) {
-  GraphedCallablesOptions options;
-  options.warmup_iters = request.warmup_iters;
-  options.error_mode = request.error_mode;
-  options.input_names = request.input_names;
-  if (options.input_names.size() != request.sample.size()) {
-    options.input_names.clear();
-  }
-  return options;
-}
-
 }  // namespace
-
-std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request) {
-  const auto started = std::chrono::steady_clock::now();
-  GraphableCallable callable = graphable_request(request);
-  // A private pool: see Note [Training entries].
-  auto graphed = make_graphed_callables({std::move(callable)}, {request.sample},
-                                        training_options(request));
-  const GraphedCallable& only = *graphed.front();
-  const int64_t bytes = static_input_bytes(only) + TrainingEntry::pool_bytes(only);
-  return std::make_unique<TrainingEntry>(std::move(graphed.front()), bytes, elapsed_ms(started));
-}
-
-std::vector<std::unique_ptr<GraphEntry>> make_training_group(
-    const std::vector<GraphEntryRequest>& requests, const std::vector<int64_t>& order) {
-  GRAPHED_CHECK(!requests.empty(), "A training group needs at least one module.");
-  const auto started = std::chrono::steady_clock::now();
-  std::vector<GraphableCallable> callables;
-  std::vector<std::vector<c10::IValue>> samples;
-  for (const GraphEntryRequest& request : requests) {
-    callables.push_back(graphable_request(request));
-    samples.push_back(request.sample);
-  }
-  // One pool, captured in the recorded order: Note [Training graphs captured together].
-  GraphedCallablesOptions options = training_options(requests.front());
-  options.order = order;
-  auto graphed = make_graphed_callables(std::move(callables), std::move(samples), options);
-  const double ms = elapsed_ms(started);
-  const auto count = static_cast<int64_t>(graphed.size());
-  const int64_t pool = TrainingEntry::pool_bytes(*graphed.front());
-  std::vector<std::unique_ptr<GraphEntry>> entries;
-  for (int64_t i = 0; i < count; ++i) {
-    // Shares of the pool that sum to it: the first entry takes the remainder.
-    const int64_t share = pool / count + (i == 0 ? pool % count : 0);
-    const int64_t bytes = static_input_bytes(*graphed[i]) + share;
-    entries.push_back(std::make_unique<TrainingEntry>(std::move(graphed[i]), bytes,
-                                                      ms / static_cast<double>(count)));
-  }
-  return entries;
-}
-
-TrainingGroupPlan plan_training_group(const std::vector<TrainingEvent>& events) {
-  // Per module, in order of first forward: forwards, backwards, and whether a
-  // backward came before any forward.
-  struct Seen {
-    size_t module;
-    int forwards = 0;
-    int backwards = 0;
-    bool backward_first = false;
-  };
-  std::vector<Seen> seen;
-  const auto find = [&](size_t module) -> Seen& {
-    for (Seen& s : seen) {
-      if (s.module == module) return s;
-    }
-    seen.push_back(Seen{module});
-    return seen.back();
-  };
-  for (const TrainingEvent& event : events) {
-    Seen& s = find(event.module);
-    if (event.forward) {
-      ++s.forwards;
-    } else {
-      if (s.forwards == 0) s.backward_first = true;
-      ++s.backwards;
-    }
-  }
-  TrainingGroupPlan plan;
-  std::unordered_map<size_t, int64_t> position;  // module -> 1-based id in the order
-  for (const Seen& s : seen) {
-    if (s.backward_first || s.forwards == 0) {
-      plan.left_out.emplace_back(s.module, "its backward was recorded without its forward");
-    } else if (s.forwards > 1) {
-      plan.left_out.emplace_back(
-          s.module, c10::str("it ran ", s.forwards, " times in the recorded step (a module "
-                             "called several times per step); one graph pair serves one call "
-                             "at a time"));
-    } else if (s.backwards == 0) {
-      plan.left_out.emplace_back(s.module, "no gradient reached its outputs after its last "
-                                           "warm-up call (no backward ran before the next "
-                                           "call)");
-    } else if (s.backwards > 1) {
-      plan.left_out.emplace_back(s.module, c10::str("its backward was recorded ", s.backwards,
-                                                    " times after one forward"));
-    } else {
-      plan.modules.push_back(s.module);
-      position[s.module] = static_cast<int64_t>(plan.modules.size());
-    }
-  }
-  for (const TrainingEvent& event : events) {
-    const auto found = position.find(event.module);
-    if (found != position.end()) {
-      plan.order.push_back(event.forward ? found->second : -found->second);
-    }
-  }
-  return plan;
-}
-
-int64_t parse_memory_size(std::string_view text) {
-  const std::string cleaned = trim(text);
-  size_t split = 0;
-  while (split < cleaned.size() &&
-         (std::isdigit(static_cast<unsigned char>(cleaned[split])) || cleaned[split] == '.')) {
-    ++split;
-  }
-  const std::string number = cleaned.substr(0, split);
-  const std::string unit = lower(trim(cleaned.substr(split)));
-  static const std::vector<std::pair<std::string, double>> kUnits = {
-      {"", 1.0},      {"b", 1.0},       {"kb", 1e3},          {"mb", 1e6},
-      {"gb", 1e9},    {"tb", 1e12},     {"kib", 1024.0},      {"mib", 1048576.0},
-      {"gib", 1073741824.0},            {"tib", 1099511627776.0}};
-  double scale = -1.0;
-  for (const auto& [name, factor] : kUnits) {
-    if (unit == name) scale = factor;
-  }
-  bool valid_number = !number.empty() && std::count(number.begin(), number.end(), '.') <= 1 &&
-                      number != ".";
-  GRAPHED_CHECK(valid_number && scale > 0, "Expected a memory size such as \"512MB\", \"2GiB\" "
-                "or a number of bytes, got \"", text, "\". Units: B, KB, MB, GB, TB (powers of "
-                "1000) and KiB, MiB, GiB, TiB (powers of 1024).");
-  const double bytes = std::stod(number) * scale;
-  GRAPHED_CHECK(bytes >= 1.0 && bytes < 9.2e18, "Expected a memory size of at least one byte, "
-                "got \"", text, "\". Pass a positive size such as \"2GiB\", or None for no budget.");
-  return static_cast<int64_t>(std::llround(bytes));
-}
-
-std::string format_bytes(int64_t bytes) {
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = static_cast<double>(bytes);
-  size_t unit = 0;
-  while (std::abs(value) >= 1024.0 && unit + 1 < sizeof(kUnits) / sizeof(kUnits[0])) {
-    value /= 1024.0;
-    ++unit;
-  }
-  std::ostringstream out;
-  if (unit == 0) {
-    out << bytes << " B";
-  } else {
-    out << std::fixed << std::setprecision(1) << value << " " << kUnits[unit];
-  }
-  return out.str();
-}
-
-LruBudget::LruBudget(std::optional<int64_t> budget_bytes) : budget_(budget_bytes) {
-  GRAPHED_CHECK(!budget_ || *budget_ >= 1, "Expected a memory budget of at least one byte, got ",
-                budget_ ? *budget_ : 0, ". Pass a positive size such as \"2GiB\", or None for "
-                "no budget.");
-}
-
-void LruBudget::add(uint64_t id, int64_t bytes) {
-  GRAPHED_INTERNAL_ASSERT(items_.count(id) == 0, "item ", id, " added twice");
-  lru_.emplace_back(id, bytes);
-  items_[id] = std::prev(lru_.end());
-  total_ += bytes;
-}
-
-void LruBudget::touch(uint64_t id) {
-  const auto found = items_.find(id);
-  GRAPHED_INTERNAL_ASSERT(found != items_.end(), "touch of unknown item ", id);
-  lru_.splice(lru_.end(), lru_, found->second);
-}
-
-void LruBudget::remove(uint64_t id) {
-  const auto found = items_.find(id);
-  if (found == items_.end()) return;
-  total_ -= found->second->second;
-  lru_.erase(found->second);
-  items_.erase(found);
-}
-
-std::vector<uint64_t> LruBudget::over_budget(std::optional<uint64_t> keep) const {
-  std::vector<uint64_t> evict;
-  if (!budget_) return evict;
-  int64_t total = total_;
-  for (const auto& [id, bytes] : lru_) {
-    if (total <= *budget_) break;
-    if (keep && id == *keep) continue;
-    evict.push_back(id);
-    total -= bytes;
-  }
-  return evict;
-}
-
-std::vector<uint64_t> LruBudget::order() const {
-  std::vector<uint64_t> ids;
-  for (const auto& item : lru_) ids.push_back(item.first);
-  return ids;
-}
-
-std::vector<std::string> select_repeated_blocks(const std::vector<ModuleInfo>& modules) {
-  struct Group {
-    std::vector<std::string> names;
-    int64_t parameters = 0;
-    size_t first_index = 0;
-  };
-  std::unordered_map<std::string, size_t> index_of;
-  for (size_t i = 0; i < modules.size(); ++i) index_of[modules[i].name] = i;
-
-  const auto in_container = [&](const ModuleInfo& module) {
-    if (module.name.empty()) return false;
-    const auto parent = index_of.find(parent_of(module.name));
-    return parent != index_of.end() && modules[parent->second].is_container;
-  };
-  // How many children of each container have each class, as their own class
-  // or as a base.
-  std::unordered_map<std::string, int64_t> children_with;  // "container\0class" -> count
-  for (const ModuleInfo& module : modules) {
-    if (!in_container(module)) continue;
-    const std::string container = parent_of(module.name) + '\0';
-    ++children_with[container + module.type];
-    for (const std::string& base : module.bases) ++children_with[container + base];
-  }
-
-  // Children of each container, grouped by their own class if a sibling
-  // shares it, else by their nearest base a sibling shares.
-  std::vector<Group> groups;
-  std::unordered_map<std::string, size_t> group_of;  // "container\0class" -> group
-  for (size_t i = 0; i < modules.size(); ++i) {
-    const ModuleInfo& module = modules[i];
-    if (!in_container(module)) continue;
-    const std::string container = parent_of(module.name) + '\0';
-    std::string group_key = container + module.type;
-    if (children_with[group_key] < 2) {
-      for (const std::string& base : module.bases) {
-        if (children_with[container + base] >= 2) {
-          group_key = container + base;
-          break;
-        }
-      }
-    }
-    auto [found, inserted] = group_of.emplace(group_key, groups.size());
-    if (inserted) {
-      groups.push_back(Group{{}, 0, i});
-    }
-    Group& group = groups[found->second];
-    group.names.push_back(module.name);
-    group.parameters += module.parameters;
-  }
-  groups.erase(std::remove_if(groups.begin(), groups.end(),
-                              [](const Group& g) { return g.names.size() < 2; }),
-               groups.end());
-  std::stable_sort(groups.begin(), groups.end(), [](const Group& a, const Group& b) {
-    return a.parameters > b.parameters;
-  });
-  std::vector<std::string> chosen;
-  std::vector<size_t> chosen_groups;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    bool overlaps = false;
-    for (const std::string& name : groups[g].names) {
-      for (const std::string& taken : chosen) {
-        overlaps = overlaps || is_within(name, taken) || is_within(taken, name);
-      }
-    }
-    if (overlaps) continue;
-    chosen.insert(chosen.end(), groups[g].names.begin(), groups[g].names.end());
-    chosen_groups.push_back(g);
-  }
-  if (chosen.empty()) {
-    return {std::string()};
-  }
-  // Back to the model's order, so that stats list modules as the model does.
-  std::sort(chosen.begin(), chosen.end(), [&](const std::string& a, const std::string& b) {
-    return index_of[a] < index_of[b];
-  });
-  return chosen;
-}
-
-void validate_module_selection(const std::vector<std::string>& chosen,
-                               const std::vector<ModuleInfo>& modules) {
-  GRAPHED_CHECK(!chosen.empty(), "Expected at least one module to capture, got none. Pass "
-                "modules=None to capture the largest repeated blocks, or name the modules "
-                "(e.g. modules=[\"blocks.0\"] or modules=[MyBlock]).");
-  std::unordered_map<std::string, bool> known;
-  for (const ModuleInfo& module : modules) known[module.name] = true;
-  for (size_t i = 0; i < chosen.size(); ++i) {
-    if (known.count(chosen[i]) == 0) {
-      std::ostringstream names;
-      size_t listed = 0;
-      for (const ModuleInfo& module : modules) {
-        if (listed == 12) {
-          names << ", ...";
-          break;
-        }
-        names << (listed == 0 ? "" : ", ") << "'" << module.name << "'";
-        ++listed;
-      }
-      GRAPHED_THROW(Error, "Expected the name of a submodule of the model, got '", chosen[i],
-                    "'. Names are those of model.named_modules(): ", names.str(), ".");
-    }
-    for (size_t j = 0; j < chosen.size(); ++j) {
-      if (i == j) continue;
-      GRAPHED_CHECK(chosen[i] != chosen[j], "Module '", shown(chosen[i]),
-                    "' is chosen twice; list each module once.");
-      GRAPHED_CHECK(!is_within(chosen[j], chosen[i]), "Module '", shown(chosen[i]),
-                    "' contains module '", shown(chosen[j]), "', and both are chosen. A graph "
-                    "of the outer module already records the inner one; choose one of them.");
-    }
-  }
-}
-
-std::string_view call_mode_name(CallMode mode) {
-  return mode == CallMode::kTraining ? "training" : "inference";
-}
 
 FallbackPolicy parse_fallback_policy(std::string_view name) {
   if (name == "eager") return FallbackPolicy::kEager;
   if (name == "raise") return FallbackPolicy::kRaise;
   GRAPHED_THROW(Error, "Expected fallback to be \"eager\" (run what cannot be graphed eagerly "
                 "and count it in stats()) or \"raise\", got \"", name, "\".");
-}
-
-std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& request) {
-  GRAPHED_INTERNAL_ASSERT(request.module != nullptr, "request without a module");
-  CaptureOptions options;
-  options.warmup_iters = request.warmup_iters;
-  options.pool = request.pool();
-  options.error_mode = request.error_mode;
-  options.input_names = request.input_names;
-  options.state = request.module->state;
-  options.description = request.description;
-  options.input_update = request.input_update;
-  std::optional<c10::Device> device;
-  for (const c10::IValue& input : request.sample) {
-    for_each_tensor(input, [&](const at::Tensor& tensor) {
-      if (!device && tensor.defined() && tensor.is_cuda()) device = tensor.device();
-    });
-  }
-  const c10::DeviceIndex index = device ? device->index() : c10::cuda::current_device();
-  const PoolMemory before = pool_memory(*options.pool, index);
-  const auto started = std::chrono::steady_clock::now();
-  CapturedFunction function = capture(request.module->forward, request.sample, options);
-  const double ms = elapsed_ms(started);
-  const PoolMemory after = pool_memory(*options.pool, index);
-  const int64_t outputs = tensor_bytes(flatten_tensors(function.static_outputs()));
-  const int64_t bytes = tensor_bytes(function.static_inputs()) +
-                        std::max(outputs, after.reserved_bytes - before.reserved_bytes);
-  return std::make_unique<InferenceEntry>(std::move(function), bytes, ms);
 }
 
 struct GraphManager::Slot {
@@ -730,18 +68,6 @@ struct GraphManager::Slot {
   // module: e.g. CPU tensors); calls with this key fall back at once.
   std::string failure;
   int64_t replays = 0;
-};
-
-// Note [Training graphs captured together]: forward events come from calls
-// (under the manager's lock), backward events from hooks on autograd's threads.
-struct GraphManager::TrainingRecorder {
-  std::mutex mutex;
-  std::vector<TrainingEvent> events;
-
-  void record(size_t module, bool forward) {
-    std::lock_guard<std::mutex> lock(mutex);
-    events.push_back(TrainingEvent{module, forward});
-  }
 };
 
 namespace {
@@ -1111,27 +437,6 @@ c10::IValue GraphManager::call(size_t index, const std::vector<c10::IValue>& inp
   return call_locked(module, inputs);
 }
 
-std::optional<BucketPlan> GraphManager::plan_buckets(const std::vector<c10::IValue>& inputs,
-                                                     std::vector<at::Tensor>& tensors,
-                                                     std::string* why) const {
-  if (options_.buckets.empty()) {
-    // The replay path: no input paths to build, they only name uncovered sizes.
-    for (const c10::IValue& input : inputs) {
-      for_each_tensor(input, [&](const at::Tensor& tensor) { tensors.push_back(tensor); });
-    }
-    return BucketPlan();
-  }
-  std::vector<std::string> paths;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    collect(inputs[i], i < 2 ? (i == 0 ? "args" : "kwargs") : c10::str("inputs[", i, "]"),
-            tensors, paths);
-  }
-  std::vector<c10::IntArrayRef> sizes;
-  sizes.reserve(tensors.size());
-  for (const at::Tensor& tensor : tensors) sizes.push_back(tensor.sizes());
-  return options_.buckets.plan(sizes, paths, why);
-}
-
 void GraphManager::record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
                                         const c10::IValue& output) {
   // See Note [Training graphs captured together].
@@ -1197,7 +502,7 @@ void GraphManager::capture_training_group(Module& trigger) {
     std::vector<at::Tensor> tensors;
     std::string why;
     const std::optional<BucketPlan> buckets =
-        plan_buckets(samples[module.index], tensors, &why);
+        plan_call_buckets(options_.buckets, samples[module.index], tensors, &why);
     if (!buckets || buckets->pads()) {
       group.left_out.push_back(c10::str(shown(module.spec.name), ": ",
                                         buckets ? "its inputs would be padded to a bucket, "
@@ -1293,7 +598,8 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
 
   std::vector<at::Tensor> tensors;
   std::string why;
-  const std::optional<BucketPlan> planned = plan_buckets(inputs, tensors, &why);
+  const std::optional<BucketPlan> planned =
+      plan_call_buckets(options_.buckets, inputs, tensors, &why);
   CallMode mode = CallMode::kInference;
   if (c10::GradMode::is_enabled()) {
     const auto requires_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };

@@ -11,16 +11,17 @@
 /// the others stay graphed, and every such fallback is counted with its reason.
 
 #include "graphed/bucket_policy.h"
+#include "graphed/call_key.h"
 #include "graphed/capture.h"
 #include "graphed/graph.h"
-#include "graphed/signature.h"
+#include "graphed/graph_entry.h"
+#include "graphed/memory_budget.h"
+#include "graphed/training_group.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
-#include <functional>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -30,258 +31,6 @@
 #include <vector>
 
 namespace graphed {
-
-/// Parses a memory size: a number of bytes ("1048576") or a number with a unit
-/// ("512MB", "2GiB", "1.5 GB"; B, KB, MB, GB, TB are powers of 1000, KiB, MiB,
-/// GiB, TiB powers of 1024; case-insensitive). Throws graphed::Error naming
-/// the accepted forms for anything else, or for a size below one byte.
-int64_t parse_memory_size(std::string_view text);
-
-/// E.g. "3.2 MiB".
-std::string format_bytes(int64_t bytes);
-
-/// Least-recently-used bookkeeping of items with sizes under a byte budget.
-/// Pure host logic; GraphManager keys its graphs into it.
-class LruBudget {
- public:
-  /// No budget: nothing is ever over it.
-  LruBudget() = default;
-  /// A budget of `budget_bytes` (>= 1); nullopt for none.
-  explicit LruBudget(std::optional<int64_t> budget_bytes);
-
-  /// Adds `id` (not present yet) as the most recently used item.
-  void add(uint64_t id, int64_t bytes);
-  /// Marks `id` the most recently used item.
-  void touch(uint64_t id);
-  /// Forgets `id`; nothing when absent.
-  void remove(uint64_t id);
-  /// Items to evict, least recently used first, until the total fits the
-  /// budget, never naming `keep`. Does not remove them.
-  std::vector<uint64_t> over_budget(std::optional<uint64_t> keep = std::nullopt) const;
-  /// Sum of the items' sizes.
-  int64_t total_bytes() const { return total_; }
-  /// Number of items.
-  size_t size() const { return items_.size(); }
-  /// The budget, if any.
-  std::optional<int64_t> budget() const { return budget_; }
-  /// Ids from least to most recently used.
-  std::vector<uint64_t> order() const;
-
- private:
-  std::optional<int64_t> budget_;
-  std::list<std::pair<uint64_t, int64_t>> lru_;  // front: least recently used
-  std::unordered_map<uint64_t, std::list<std::pair<uint64_t, int64_t>>::iterator> items_;
-  int64_t total_ = 0;
-};
-
-/// A module of the model, as module selection sees it.
-struct ModuleInfo {
-  /// Qualified name ("" for the root, "blocks.0", "blocks.0.mlp").
-  std::string name;
-  /// Class name, e.g. "GPTBlock".
-  std::string type;
-  /// Parameters of the module and its descendants (elements).
-  int64_t parameters = 0;
-  /// True for containers of repeated children (ModuleList, Sequential).
-  bool is_container = false;
-  /// Names of the classes `type` derives from, nearest first (Module itself
-  /// left out): a layer subclassed to change one block still repeats its
-  /// siblings (Note [Choosing repeated blocks]).
-  std::vector<std::string> bases;
-};
-
-/// The modules graphed.auto captures by default: the largest repeated blocks.
-///
-/// Note [Choosing repeated blocks]
-/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-/// Repeated blocks are the children of one container (ModuleList, Sequential)
-/// that share a class with at least one sibling: a transformer's layers, a
-/// residual MLP's blocks. A child whose own class has no sibling joins the
-/// siblings of its nearest base class, so that one layer replaced by a
-/// subclass (a block with logging, say) is still managed with the others,
-/// and if it cannot be captured it is counted as a fallback rather than
-/// silently left out. Each such group is a candidate; candidates are
-/// taken by the parameters they cover, largest first, skipping any that
-/// nests within or contains one already taken, so that a model's layers win
-/// over the Linear layers inside each of them and an encoder and a decoder
-/// are both taken. Graphing at this level keeps graphs few and large (one
-/// launch per layer), leaves code between layers (embeddings, losses, host
-/// logic) eager, and gives the graphs of a layer one signature per call
-/// size. Without any repeated block the whole model ("") is captured.
-/// `modules` lists every module in named_modules() order.
-std::vector<std::string> select_repeated_blocks(const std::vector<ModuleInfo>& modules);
-
-/// Checks a user's choice of modules: every name exists in `modules` and no
-/// chosen module contains another. Throws graphed::Error naming the problem
-/// and the fix.
-void validate_module_selection(const std::vector<std::string>& chosen,
-                               const std::vector<ModuleInfo>& modules);
-
-/// What a call needs from a graph.
-enum class CallMode {
-  /// No autograd history: grad mode off, or nothing requires grad.
-  kInference,
-  /// Grad mode on and an input or parameter requires grad: outputs must
-  /// carry autograd history (forward and backward graphs).
-  kTraining,
-};
-
-/// "inference" or "training".
-std::string_view call_mode_name(CallMode mode);
-
-/// One captured graph (or graph pair) of one module for one signature.
-/// GraphManager only replays through this interface: the inference entry
-/// (make_inference_entry) captures with graphed::capture; a training entry
-/// (forward and backward graphs) plugs in through GraphEntryFactories::training.
-class GraphEntry {
- public:
-  virtual ~GraphEntry() = default;
-  /// Replays on `inputs`, which match signature() except along the padded
-  /// dimensions of `plan` (each input tensor then holds the call's size;
-  /// the entry pads it up and slices its outputs back, see Note [Bucket
-  /// padding]). Returns the outputs.
-  virtual c10::IValue run(const std::vector<c10::IValue>& inputs, const BucketPlan& plan) = 0;
-  /// Device memory this graph holds: see Note [Graph memory accounting].
-  virtual int64_t memory_bytes() const = 0;
-  /// The inputs it was captured with (at bucket sizes).
-  virtual const Signature& signature() const = 0;
-  /// Bytes the shared pool holds now (segments), or 0 when unknown.
-  virtual int64_t pool_reserved_bytes() const = 0;
-  /// Wall time of its capture, warm-up included, in milliseconds.
-  virtual double capture_ms() const = 0;
-};
-
-/// A module GraphManager manages.
-struct ModuleSpec {
-  /// Qualified name, for stats and messages.
-  std::string name;
-  /// Class name, for messages.
-  std::string type;
-  /// Runs the module's own forward (never the managed one) on the inputs of
-  /// a call.
-  CapturableFunction forward;
-  /// Tensors the forward may modify (buffers): restored after warm-up and
-  /// capture (Invariant 1).
-  std::vector<at::Tensor> state;
-  /// The module's parameters: a call in grad mode needs training graphs when
-  /// any of them requires grad.
-  std::vector<at::Tensor> parameters;
-  /// Read the module's parameters and its buffers as they are now (from the
-  /// module, so that replaced tensors are seen too). When both are set, every
-  /// call after warm-up compares them with what its graphs were captured on
-  /// and, on a difference, releases the module's graphs, takes the new
-  /// tensors as `parameters` and `state`, and warms the module up again
-  /// (Note [Modules whose tensors moved] in graph_manager.cpp). Unset to skip.
-  std::function<std::vector<at::Tensor>()> read_parameters;
-  /// See read_parameters.
-  std::function<std::vector<at::Tensor>()> read_buffers;
-};
-
-/// What a GraphEntryFactory is asked to capture.
-struct GraphEntryRequest {
-  /// The module.
-  const ModuleSpec* module = nullptr;
-  /// Sample inputs at the bucket sizes of `plan`.
-  std::vector<c10::IValue> sample;
-  /// The buckets this graph serves (all sizes at their buckets).
-  BucketPlan plan;
-  /// Names of the inputs in messages.
-  std::vector<std::string> input_names;
-  /// The pool every graph of the manager shares; created on first use.
-  std::function<PoolId()> pool;
-  /// Eager runs on the capture stream before capture.
-  int warmup_iters = 1;
-  /// See CaptureErrorMode.
-  CaptureErrorMode error_mode = CaptureErrorMode::kGlobal;
-  /// E.g. "module `blocks.0` (GPTBlock)".
-  std::string description;
-  /// How replays bring inputs in; see InputUpdate.
-  InputUpdate input_update = InputUpdate::kAuto;
-};
-
-/// Captures one entry; throws CaptureError when the module cannot be captured.
-using GraphEntryFactory = std::function<std::unique_ptr<GraphEntry>(const GraphEntryRequest&)>;
-
-/// Captures the training entries of several modules together: one pool,
-/// forward and backward graphs captured in `order` (TrainingGroupPlan::order
-/// over the requests). Returns one entry per request, in request order;
-/// throws like GraphEntryFactory, having captured none.
-using GraphGroupFactory = std::function<std::vector<std::unique_ptr<GraphEntry>>(
-    const std::vector<GraphEntryRequest>& requests, const std::vector<int64_t>& order)>;
-
-/// The factories GraphManager captures with, per call mode.
-struct GraphEntryFactories {
-  /// Inference graphs; make_inference_entry when unset.
-  GraphEntryFactory inference;
-  /// Training graphs (forward and backward). Unset until the training path
-  /// lands: calls that need it fall back to eager execution with the reason
-  /// kTrainingGraphsUnavailable. See Note [Training entries] in
-  /// graph_manager.cpp.
-  GraphEntryFactory training;
-  /// Training graphs of the modules recorded in one warm-up step, captured
-  /// together (Note [Training graphs captured together] in
-  /// graph_manager.cpp); unset: every training entry comes from `training`.
-  GraphGroupFactory training_group;
-};
-
-/// The fallback reason of a training call while GraphEntryFactories::training is unset.
-inline constexpr std::string_view kTrainingGraphsUnavailable = "training graphs not available yet";
-
-/// Captures an inference entry with graphed::capture (no autograd; buffers in
-/// ModuleSpec::state restored after warm-up and capture).
-///
-/// Note [Graph memory accounting]
-/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-/// Graphs of one manager share one pool, so a graph's memory is not a pool
-/// of its own. An entry counts its static input buffers (outside the pool)
-/// plus the larger of its static outputs and the growth of the shared pool
-/// during its capture: a graph that reused memory freed by earlier captures
-/// still pins its outputs; one that needed more made the pool grow by that
-/// much. The sum over live entries is what the memory budget limits; the
-/// pool itself is reported as pool_reserved_bytes.
-std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& request);
-
-/// Captures a training entry: the module's forward and backward graphs for
-/// the request's signature, through make_graphed_callables (an autograd node
-/// per call), in a pool of its own (Note [Training entries]). Calls must come
-/// at the exact sizes of the sample: bucket padding is refused for training.
-std::unique_ptr<GraphEntry> make_training_entry(const GraphEntryRequest& request);
-
-/// Captures the training entries of several modules with one
-/// make_graphed_callables call: one pool, graphs captured in `order`, and
-/// replays checked against it. Each entry's memory is its static inputs plus
-/// its share of the pool (split evenly, so that the entries sum to the pool).
-std::vector<std::unique_ptr<GraphEntry>> make_training_group(
-    const std::vector<GraphEntryRequest>& requests, const std::vector<int64_t>& order);
-
-/// One event of a recorded training step: the forward or the backward of a
-/// managed module.
-struct TrainingEvent {
-  /// Index of the module in the manager.
-  size_t module = 0;
-  /// The forward call when true; the start of its backward otherwise.
-  bool forward = true;
-};
-
-/// Which modules are captured together for training, and in what order.
-struct TrainingGroupPlan {
-  /// Modules captured together into one pool, in the order of their forwards.
-  std::vector<size_t> modules;
-  /// The recorded order over `modules` in Transformer Engine's convention
-  /// (Note [Pipeline order]): +k for the forward of modules[k - 1], -k for
-  /// its backward.
-  std::vector<int64_t> order;
-  /// Recorded modules that cannot join, with why; each is captured on its
-  /// own (a pool of its own) when it needs a training graph.
-  std::vector<std::pair<size_t, std::string>> left_out;
-};
-
-/// Plans the capture of the training graphs of the modules in `events` (each
-/// module's last warm-up forward and the start of its backward, in the order
-/// they ran); see Note [Training graphs captured together] in
-/// graph_manager.cpp. A module joins when its forward ran once and its
-/// backward once after it; the order keeps the recorded sequence.
-TrainingGroupPlan plan_training_group(const std::vector<TrainingEvent>& events);
 
 /// What happens when a module or a call cannot use a graph.
 enum class FallbackPolicy {
@@ -443,16 +192,12 @@ class GraphManager {
  private:
   struct Slot;
   struct Module;
-  struct TrainingRecorder;
 
   c10::IValue call_locked(Module& module, const std::vector<c10::IValue>& inputs);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
   void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
                             const c10::IValue& output);
   void capture_training_group(Module& trigger);
-  std::optional<BucketPlan> plan_buckets(const std::vector<c10::IValue>& inputs,
-                                         std::vector<at::Tensor>& tensors,
-                                         std::string* why) const;
   c10::IValue fall_back(Module& module, const std::string& reason,
                         const std::vector<c10::IValue>& inputs);
   c10::IValue run_eager(Module& module, const std::vector<c10::IValue>& inputs);

@@ -3,6 +3,8 @@
 
 #include "graphed/check.h"
 #include "graphed/graph_manager.h"
+#include "graphed/memory_budget.h"
+#include "graphed/module_selection.h"
 #include "python_values.h"
 #include "registration.h"
 

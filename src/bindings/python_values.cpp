@@ -1,7 +1,7 @@
 #include "python_values.h"
 
 #include "graphed/check.h"
-#include "graphed/graph_manager.h"
+#include "graphed/memory_budget.h"
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>

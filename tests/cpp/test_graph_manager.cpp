@@ -1,8 +1,9 @@
-// GraphManager's host logic: memory sizes, LRU eviction, module selection, the
-// warm-up -> capture -> replay state machine, bucket plans, budgets and
-// fallbacks with their reasons. Entries are fakes that run the module on CPU
-// tensors, so no GPU is needed; make_inference_entry is tested on the GPU
-// from Python (tests/python/test_auto_gpu.py).
+// GraphManager's host logic: the warm-up -> capture -> replay state machine,
+// bucket plans, budgets and fallbacks with their reasons, training groups.
+// Entries are fakes that run the module on CPU tensors, so no GPU is needed;
+// make_inference_entry is tested on the GPU in test_graph_entry.cpp and from
+// Python (tests/python/test_auto_gpu.py). Memory sizes, module selection and
+// training-group plans have test files of their own.
 
 #include "graphed/check.h"
 #include "graphed/graph_manager.h"
@@ -16,135 +17,6 @@ namespace {
 
 using c10::IValue;
 using Buckets = std::map<int64_t, std::vector<int64_t>>;
-
-TEST(MemorySize, ParsesUnitsOfBothKinds) {
-  EXPECT_EQ(parse_memory_size("1048576"), 1048576);
-  EXPECT_EQ(parse_memory_size("512MB"), 512000000);
-  EXPECT_EQ(parse_memory_size("2GiB"), 2LL << 30);
-  EXPECT_EQ(parse_memory_size(" 1.5 gb "), 1500000000);
-  EXPECT_EQ(parse_memory_size("64KiB"), 65536);
-  EXPECT_EQ(parse_memory_size("3B"), 3);
-}
-
-TEST(MemorySize, RefusesWhatItCannotRead) {
-  EXPECT_THROW_WITH(parse_memory_size("2 parsecs"), Error,
-                    "Expected a memory size such as \"512MB\", \"2GiB\"");
-  EXPECT_THROW_WITH(parse_memory_size("GiB"), Error, "got \"GiB\"");
-  EXPECT_THROW_WITH(parse_memory_size("1.2.3MB"), Error, "got \"1.2.3MB\"");
-  EXPECT_THROW_WITH(parse_memory_size("0MB"), Error, "at least one byte");
-}
-
-TEST(MemorySize, FormatsBinaryUnits) {
-  EXPECT_EQ(format_bytes(512), "512 B");
-  EXPECT_EQ(format_bytes(3 * 1024 * 1024 + 200 * 1024), "3.2 MiB");
-  EXPECT_EQ(format_bytes(2LL << 30), "2.0 GiB");
-}
-
-TEST(LruBudget, EvictsLeastRecentlyUsedFirstUntilItFits) {
-  LruBudget lru(250);
-  lru.add(1, 100);
-  lru.add(2, 100);
-  EXPECT_TRUE(lru.over_budget().empty());
-  lru.touch(1);  // 2 is now the least recently used
-  lru.add(3, 100);
-  EXPECT_EQ(lru.order(), (std::vector<uint64_t>{2, 1, 3}));
-  EXPECT_EQ(lru.over_budget(), (std::vector<uint64_t>{2}));
-  EXPECT_EQ(lru.over_budget(/*keep=*/2), (std::vector<uint64_t>{1}));
-  lru.remove(2);
-  EXPECT_EQ(lru.total_bytes(), 200);
-  EXPECT_TRUE(lru.over_budget().empty());
-  lru.remove(42);  // absent: nothing
-  EXPECT_EQ(lru.size(), 2u);
-}
-
-TEST(LruBudget, NoBudgetNeverEvicts) {
-  LruBudget lru;
-  lru.add(1, int64_t{1} << 50);
-  EXPECT_TRUE(lru.over_budget().empty());
-  EXPECT_THROW_WITH(LruBudget(0), Error, "at least one byte");
-}
-
-std::vector<ModuleInfo> gpt_modules(int layers) {
-  std::vector<ModuleInfo> modules{{"", "GPT", 0, false}, {"token", "Embedding", 1000, false},
-                                  {"blocks", "ModuleList", 0, true}};
-  for (int i = 0; i < layers; ++i) {
-    const std::string block = c10::str("blocks.", i);
-    modules.push_back({block, "GPTBlock", 700, false});
-    modules.push_back({block + ".qkv", "Linear", 300, false});
-    modules.push_back({block + ".proj", "Linear", 100, false});
-    modules.push_back({block + ".mlp", "Sequential", 300, true});
-    modules.push_back({block + ".mlp.0", "Linear", 150, false});
-    modules.push_back({block + ".mlp.1", "GELU", 0, false});
-    modules.push_back({block + ".mlp.2", "Linear", 150, false});
-  }
-  modules.push_back({"head", "Linear", 1000, false});
-  return modules;
-}
-
-TEST(SelectRepeatedBlocks, TakesTheLayersNotTheLinearsInside) {
-  EXPECT_EQ(select_repeated_blocks(gpt_modules(3)),
-            (std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"}));
-}
-
-TEST(SelectRepeatedBlocks, TakesEveryNonOverlappingGroup) {
-  const std::vector<ModuleInfo> modules{
-      {"", "Seq2Seq", 0, false},        {"encoder", "ModuleList", 0, true},
-      {"encoder.0", "EncLayer", 50, false}, {"encoder.1", "EncLayer", 50, false},
-      {"decoder", "ModuleList", 0, true},   {"decoder.0", "DecLayer", 80, false},
-      {"decoder.1", "DecLayer", 80, false}, {"decoder.2", "Norm", 1, false}};
-  EXPECT_EQ(select_repeated_blocks(modules),
-            (std::vector<std::string>{"encoder.0", "encoder.1", "decoder.0", "decoder.1"}));
-}
-
-TEST(SelectRepeatedBlocks, TakesALayerSubclassedForOneBlockWithItsSiblings) {
-  std::vector<ModuleInfo> modules = gpt_modules(4);
-  for (ModuleInfo& module : modules) {
-    if (module.name == "blocks.2") {
-      module.type = "HostReadGPTBlock";
-      module.bases = {"GPTBlock"};
-    }
-  }
-  EXPECT_EQ(select_repeated_blocks(modules),
-            (std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2", "blocks.3"}));
-
-  // Unrelated classes with a common base keep to their own kind.
-  const std::vector<ModuleInfo> mixed{
-      {"", "Net", 0, false},
-      {"layers", "ModuleList", 0, true},
-      {"layers.0", "Attention", 40, false, {"Layer"}},
-      {"layers.1", "FeedForward", 60, false, {"Layer"}},
-      {"layers.2", "Attention", 40, false, {"Layer"}},
-      {"layers.3", "FeedForward", 60, false, {"Layer"}}};
-  EXPECT_EQ(select_repeated_blocks(mixed),
-            (std::vector<std::string>{"layers.0", "layers.1", "layers.2", "layers.3"}));
-  const std::vector<ModuleInfo> one_odd{
-      {"", "Net", 0, false},
-      {"layers", "ModuleList", 0, true},
-      {"layers.0", "Attention", 40, false, {"Layer"}},
-      {"layers.1", "Attention", 40, false, {"Layer"}},
-      {"layers.2", "FeedForward", 60, false, {"Layer"}}};
-  EXPECT_EQ(select_repeated_blocks(one_odd), (std::vector<std::string>{"layers.0", "layers.1"}));
-}
-
-TEST(SelectRepeatedBlocks, WithoutRepeatsTakesTheWholeModel) {
-  const std::vector<ModuleInfo> modules{{"", "Net", 10, false}, {"fc", "Linear", 10, false},
-                                        {"layers", "ModuleList", 0, true},
-                                        {"layers.0", "Linear", 5, false}};
-  EXPECT_EQ(select_repeated_blocks(modules), (std::vector<std::string>{""}));
-}
-
-TEST(ValidateModuleSelection, NamesTheProblem) {
-  const std::vector<ModuleInfo> modules = gpt_modules(2);
-  EXPECT_NO_THROW(validate_module_selection({"blocks.0", "blocks.1"}, modules));
-  EXPECT_THROW_WITH(validate_module_selection({"blocks.7"}, modules), Error,
-                    "Expected the name of a submodule of the model, got 'blocks.7'");
-  EXPECT_THROW_WITH(validate_module_selection({"blocks.0", "blocks.0.mlp"}, modules), Error,
-                    "Module 'blocks.0' contains module 'blocks.0.mlp', and both are chosen");
-  EXPECT_THROW_WITH(validate_module_selection({"", "head"}, modules), Error,
-                    "Module '<root>' contains module 'head'");
-  EXPECT_THROW_WITH(validate_module_selection({"head", "head"}, modules), Error, "chosen twice");
-  EXPECT_THROW_WITH(validate_module_selection({}, modules), Error, "at least one module");
-}
 
 TEST(GraphManagerOptions, AreValidated) {
   GraphManagerOptions options;
@@ -481,45 +353,6 @@ TEST_F(ManagerFixture, TrainingCallsFallBackUntilTrainingGraphsArePluggedIn) {
   (void)with_training.call(n, call_inputs(x));
   EXPECT_EQ(training_journal.captured.size(), 1u);
   EXPECT_TRUE(with_training.stats().fallbacks.empty());
-}
-
-std::vector<TrainingEvent> events(std::initializer_list<int64_t> steps) {
-  std::vector<TrainingEvent> out;
-  for (int64_t step : steps) {
-    out.push_back(TrainingEvent{static_cast<size_t>(std::abs(step)) - 1, step > 0});
-  }
-  return out;
-}
-
-TEST(PlanTrainingGroup, KeepsTheRecordedOrderOfForwardsAndBackwards) {
-  TrainingGroupPlan plan = plan_training_group(events({1, 2, 3, -3, -2, -1}));
-  EXPECT_EQ(plan.modules, (std::vector<size_t>{0, 1, 2}));
-  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, 2, 3, -3, -2, -1}));
-  EXPECT_TRUE(plan.left_out.empty());
-
-  // Two losses backpropagated one after the other: backwards in call order.
-  plan = plan_training_group(events({1, 2, -1, -2}));
-  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, 2, -1, -2}));
-
-  // Modules numbered by their forwards, not by their registration.
-  plan = plan_training_group(events({4, 2, -2, -4}));
-  EXPECT_EQ(plan.modules, (std::vector<size_t>{3, 1}));
-  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, 2, -2, -1}));
-}
-
-TEST(PlanTrainingGroup, LeavesOutWhatOneGraphPairCannotServe) {
-  // Module 1 runs twice per step, module 2 gets no gradient, module 4's
-  // backward arrives without its forward.
-  const TrainingGroupPlan plan = plan_training_group(events({1, 2, 3, 1, -4, -3, -1}));
-  EXPECT_EQ(plan.modules, (std::vector<size_t>{2}));
-  EXPECT_EQ(plan.order, (std::vector<int64_t>{1, -1}));
-  ASSERT_EQ(plan.left_out.size(), 3u);
-  EXPECT_EQ(plan.left_out[0].first, 0u);
-  EXPECT_NE(plan.left_out[0].second.find("ran 2 times"), std::string::npos);
-  EXPECT_EQ(plan.left_out[1].first, 1u);
-  EXPECT_NE(plan.left_out[1].second.find("no gradient reached its outputs"), std::string::npos);
-  EXPECT_EQ(plan.left_out[2].first, 3u);
-  EXPECT_TRUE(plan_training_group({}).modules.empty());
 }
 
 // A module computing x * weight, for training calls on CPU tensors.
