@@ -26,4 +26,5 @@
 #include "graphed/static_io.h"
 #include "graphed/tensor_identity.h"
 #include "graphed/train_step.h"
+#include "graphed/training_iteration.h"
 #include "graphed/version.h"

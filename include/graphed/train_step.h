@@ -9,6 +9,7 @@
 #include "graphed/capture.h"
 #include "graphed/grad_guard.h"
 #include "graphed/optim.h"
+#include "graphed/training_iteration.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -141,15 +142,17 @@ class TrainStep {
   TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_batch,
             TrainStepOptions options = {});
 
-  /// The usual iteration built from its parts, as Python's
-  /// graphed.TrainStep.from_parts: gradients dropped (the backward writes them
-  /// fresh), forward and backward over each microbatch with the loss divided
-  /// by their number (scaled for fp16), then GradientGuard::process (unscale,
-  /// non-finite check, clipping, and the buffers put back when the step is
-  /// skipped), the optimizer step (skipped on the device for non-finite
-  /// steps) and the loss-scale update. The step returns the
-  /// summed microbatch losses. `options.state` may add tensors; the parts'
-  /// own state is included.
+  /// The usual iteration built from its parts: a TrainingIteration (Note
+  /// [One training iteration]) whose optimizer pieces are `parts.optimizer`'s
+  /// and whose split divides every batch tensor evenly along dim 0, the same
+  /// sequence Python's graphed.TrainStep.from_parts runs with torch.optim:
+  /// gradients dropped (the backward writes them fresh), forward and
+  /// backward over each microbatch with the loss divided by their number
+  /// (scaled for fp16), then GradientGuard::process (unscale, non-finite
+  /// check, clipping, and the buffers put back when the step is skipped), the
+  /// optimizer step (skipped on the device for non-finite steps) and the
+  /// loss-scale update. The step returns the summed microbatch losses.
+  /// `options.state` may add tensors; the parts' own state is included.
   static TrainStep from_parts(TrainStepParts parts, std::vector<c10::IValue> sample_batch,
                               TrainStepOptions options = {});
 
