@@ -112,15 +112,12 @@ TrainStep TrainStep::from_parts(TrainStepParts parts, std::vector<c10::IValue> s
   // iteration]); these are its LibTorch pieces.
   std::shared_ptr<CapturableOptimizer> optimizer = parts.optimizer;
   TrainingIterationParts pieces;
+  static_cast<TrainingIterationOptions&>(pieces) = parts;
   pieces.loss = std::move(parts.loss);
   pieces.split = split_microbatches;
   pieces.zero_grad = [optimizer] { optimizer->zero_grad(/*set_to_none=*/true); };
   pieces.step = [optimizer](const at::Tensor& found_inf) { optimizer->step(found_inf); };
   pieces.params = optimizer->params();
-  pieces.buffers = parts.buffers;
-  pieces.microbatches = parts.microbatches;
-  pieces.guard = parts.guard;
-  pieces.autocast = parts.autocast;
   auto iteration = std::make_shared<TrainingIteration>(std::move(pieces));
 
   for (const at::Tensor& p : iteration->params()) {

@@ -111,25 +111,15 @@ struct TrainStepOptions {
   std::optional<CollectiveCapture> collectives;
 };
 
-/// The parts of the usual training iteration, for TrainStep::from_parts.
-struct TrainStepParts {
+/// The parts of the usual training iteration, for TrainStep::from_parts; the
+/// options (buffers, microbatches, guard, autocast) are those of
+/// TrainingIterationOptions.
+struct TrainStepParts : TrainingIterationOptions {
   /// The loss of one microbatch: forward and loss function (called with the
   /// batch values split along dim 0, one microbatch at a time).
   TrainStepFunction loss;
   /// The optimizer; its parameters are what the iteration trains.
   std::shared_ptr<CapturableOptimizer> optimizer;
-  /// Buffers the forward updates (BatchNorm statistics), restored after capture,
-  /// and restored on the device after a skipped step (Note [Buffers of a
-  /// skipped step]).
-  std::vector<at::Tensor> buffers;
-  /// Microbatches per iteration: the batch is split along dim 0 and their
-  /// gradients accumulate.
-  int microbatches = 1;
-  /// Non-finite skipping, clipping and fp16 loss scaling.
-  GradientGuardOptions guard;
-  /// Run the forward under CUDA autocast to this dtype (bfloat16 or float16),
-  /// with the autocast cache off; fp32 when unset.
-  std::optional<c10::ScalarType> autocast;
 };
 
 /// A training iteration captured as one CUDA graph.

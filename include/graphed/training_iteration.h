@@ -75,9 +75,27 @@ namespace graphed {
 using MicrobatchSplit = std::function<std::vector<std::vector<c10::IValue>>(
     const std::vector<c10::IValue>& batch, int microbatches)>;
 
-/// The framework-specific parts of a training iteration and its settings; see
-/// Note [One training iteration].
-struct TrainingIterationParts {
+/// What the usual training iteration does around its pieces: microbatches,
+/// the gradient guard, autocast, and the buffers a skipped step puts back.
+/// Shared by TrainingIterationParts and TrainStepParts.
+struct TrainingIterationOptions {
+  /// Buffers the forward updates (BatchNorm statistics), put back on the
+  /// device after a skipped step (Note [Buffers of a skipped step]); a
+  /// TrainStep also restores them after capture.
+  std::vector<at::Tensor> buffers;
+  /// Microbatches per iteration: the batch is split, their gradients
+  /// accumulate and each loss is divided by their number.
+  int microbatches = 1;
+  /// Non-finite skipping, clipping and fp16 loss scaling.
+  GradientGuardOptions guard;
+  /// Run the forward and loss under CUDA autocast to this dtype (bfloat16 or
+  /// float16), with the autocast cache off; fp32 when unset.
+  std::optional<c10::ScalarType> autocast;
+};
+
+/// The framework-specific parts of a training iteration, and its options;
+/// see Note [One training iteration].
+struct TrainingIterationParts : TrainingIterationOptions {
   /// The loss of one microbatch: forward and loss function, called with the
   /// microbatch's values (as the split made them) under the autocast scope.
   /// Returns a tensor with one element.
@@ -93,17 +111,6 @@ struct TrainingIterationParts {
   /// The parameters the optimizer trains: their gradients are unscaled,
   /// checked and clipped. Decides the guard's device (the first one's).
   std::vector<at::Tensor> params;
-  /// Buffers the forward updates (BatchNorm statistics), put back on the
-  /// device after a skipped step (Note [Buffers of a skipped step]).
-  std::vector<at::Tensor> buffers;
-  /// Microbatches per iteration: their gradients accumulate and each loss is
-  /// divided by their number.
-  int microbatches = 1;
-  /// Non-finite skipping, clipping and fp16 loss scaling.
-  GradientGuardOptions guard;
-  /// Run the forward and loss under CUDA autocast to this dtype (bfloat16 or
-  /// float16), with the autocast cache off; fp32 when unset.
-  std::optional<c10::ScalarType> autocast;
 };
 
 /// One training iteration built from its parts: the sequence of Note [One

@@ -9,6 +9,8 @@
 #include "python_values.h"
 #include "registration.h"
 
+#include <torch/csrc/Exceptions.h>
+
 namespace graphed::python {
 namespace {
 
@@ -164,11 +166,16 @@ void register_training(py::module_& m) {
           [](TrainingIteration& self, const py::object& batch) {
             const std::vector<c10::IValue> values{to_ivalue(batch)};
             at::Tensor loss;
-            {
+            try {
               // Backward runs in here: Note [One training iteration] says why
               // the GIL must be released.
               py::gil_scoped_release no_gil;
               loss = self(values);
+            } catch (python_error& error) {
+              // Raised in a Python autograd node during backward: give Python
+              // its exception back, as Tensor.backward() would.
+              error.restore();
+              throw py::error_already_set();
             }
             return loss;
           },

@@ -67,3 +67,39 @@ def test_python_errors_of_a_piece_propagate_unchanged():
     iteration, _ = train.training_iteration(model, optimizer, lambda out, y: 1 / 0, data[0])
     with pytest.raises(ZeroDivisionError):
         iteration(data[0])
+
+
+class Scale(torch.autograd.Function):
+    """A Python autograd node: backward needs the GIL on autograd's thread."""
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise KeyError("raised in a Python backward")
+        return grad * 2, None
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_python_autograd_nodes_run_in_backward_and_their_errors_propagate(fail):
+    model, data = model_and_data()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = lambda out, y: nn.functional.mse_loss(Scale.apply(out, fail), y)  # noqa: E731
+    iteration, _ = train.training_iteration(model, optimizer, loss_fn, data[0])
+    if fail:
+        with pytest.raises(KeyError, match="raised in a Python backward"):
+            iteration(data[0])
+        return
+    iteration(data[0])
+    reference_optimizer = graphed.make_capturable(torch.optim.SGD(reference.parameters(), lr=0.1))
+    reference_optimizer.zero_grad(set_to_none=True)
+    x, y = data[0]
+    nn.functional.mse_loss(reference(x) * 2, y).backward()
+    reference_optimizer.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
