@@ -323,7 +323,9 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
                        ) -> Tuple[Callable[[Any], torch.Tensor], Any]:
     """The iteration :meth:`TrainStep.from_parts` captures, and its gradient guard.
 
-    Makes ``optimizer`` capturable (:func:`make_capturable`). Returns
+    Makes ``optimizer`` capturable (:func:`make_capturable`) and hands the
+    model, loss and optimizer as pieces to the C++ core's iteration
+    (``_C.TrainingIteration``, which owns the order of operations). Returns
     ``(iteration, guard)``: ``iteration(batch)`` runs one step eagerly and
     returns the mean loss; ``guard.state()`` lists the guard's tensors;
     ``iteration.notes`` says what graphed changed about the forward (Note

@@ -149,41 +149,6 @@ void register_training(py::module_& m) {
         return out;
       });
 
-  py::class_<TrainingIteration, std::shared_ptr<TrainingIteration>>(
-      m, "TrainingIteration",
-      "The usual training iteration, whose order of operations lives in the C++ core (Note [One "
-      "training iteration] in include/graphed/training_iteration.h), built from Python pieces: "
-      "loss(microbatch) (forward and loss), split(batch, microbatches), zero_grad(), "
-      "step(found_inf) (found_inf a device flag or None), the parameters and the buffers a "
-      "skipped step puts back. Calling it runs one iteration on a batch and returns the summed "
-      "microbatch losses.")
-      .def(py::init(&make_training_iteration), py::kw_only(), py::arg("loss"), py::arg("split"),
-           py::arg("zero_grad"), py::arg("step"), py::arg("params"), py::arg("buffers"),
-           py::arg("microbatches"), py::arg("skip_nonfinite"), py::arg("clip_grad_norm"),
-           py::arg("loss_scaling"), py::arg("autocast"))
-      .def(
-          "__call__",
-          [](TrainingIteration& self, const py::object& batch) {
-            const std::vector<c10::IValue> values{to_ivalue(batch)};
-            at::Tensor loss;
-            try {
-              // Backward runs in here: Note [One training iteration] says why
-              // the GIL must be released.
-              py::gil_scoped_release no_gil;
-              loss = self(values);
-            } catch (python_error& error) {
-              // Raised in a Python autograd node during backward: give Python
-              // its exception back, as Tensor.backward() would.
-              error.restore();
-              throw py::error_already_set();
-            }
-            return loss;
-          },
-          py::arg("batch"), "Runs one iteration on `batch` and returns the loss.")
-      .def_property_readonly("guard", &TrainingIteration::guard,
-                             "The iteration's GradientGuard.")
-      .def_property_readonly("microbatches", &TrainingIteration::microbatches);
-
   py::class_<LossScaling>(m, "LossScaling",
                           "Dynamic fp16 loss scaling as torch.amp.GradScaler does it, on the "
                           "device: pass to TrainStep.from_parts(loss_scaling=...).")
@@ -218,6 +183,42 @@ void register_training(py::module_& m) {
       .def_property_readonly("loss_scale", &GradientGuard::loss_scale)
       .def_property_readonly("grad_norm", &GradientGuard::grad_norm)
       .def("state", &GradientGuard::state);
+
+  py::class_<TrainingIteration, std::shared_ptr<TrainingIteration>>(
+      m, "TrainingIteration",
+      "The usual training iteration, whose order of operations lives in the C++ core (Note [One "
+      "training iteration] in include/graphed/training_iteration.h), built from Python pieces: "
+      "loss(microbatch) (forward and loss), split(batch, microbatches), zero_grad(), "
+      "step(found_inf) (found_inf a device flag or None), the parameters and the buffers a "
+      "skipped step puts back. Calling it runs one iteration on a batch and returns the summed "
+      "microbatch losses.")
+      .def(py::init(&make_training_iteration), py::kw_only(), py::arg("loss"), py::arg("split"),
+           py::arg("zero_grad"), py::arg("step"), py::arg("params"), py::arg("buffers"),
+           py::arg("microbatches"), py::arg("skip_nonfinite"), py::arg("clip_grad_norm"),
+           py::arg("loss_scaling"), py::arg("autocast"))
+      .def(
+          "__call__",
+          [](TrainingIteration& self, const py::object& batch) {
+            const std::vector<c10::IValue> values{to_ivalue(batch)};
+            at::Tensor loss;
+            try {
+              // Backward runs in here: Note [One training iteration] says why
+              // the GIL must be released.
+              py::gil_scoped_release no_gil;
+              loss = self(values);
+            } catch (python_error& error) {
+              // Raised in a Python autograd node during backward: give Python
+              // its exception back, as Tensor.backward() would.
+              error.restore();
+              throw py::error_already_set();
+            }
+            return loss;
+          },
+          py::arg("batch"), "Runs one iteration on `batch` and returns the loss.")
+      .def_property_readonly("guard", &TrainingIteration::guard,
+                             "The iteration's GradientGuard.")
+      .def_property_readonly("microbatches", &TrainingIteration::microbatches,
+                             "Microbatches per iteration.");
 
   m.def("clip_grad_norm", &clip_grad_norm, py::arg("grads"), py::arg("max_norm"));
   m.attr("COLLECTIVE_WARMUP_ITERS") = kCollectiveWarmupIters;

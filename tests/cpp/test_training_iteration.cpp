@@ -48,6 +48,10 @@ TrainingIterationParts logging_parts(std::vector<std::string>& log, const at::Te
   return parts;
 }
 
+at::Tensor cuda_ones(int64_t size) {
+  return at::ones({size}, at::TensorOptions().device(at::kCUDA));
+}
+
 TEST(TrainingIterationValidation, EveryPieceIsRequired) {
   std::vector<std::string> log;
   const at::Tensor w = at::ones({3}).requires_grad_();
@@ -89,7 +93,7 @@ TEST(TrainingIterationValidation, SettingsAndParametersAreChecked) {
 TEST(TrainingIterationOnGpu, RunsThePiecesInTheOrderOfTheNote) {
   GRAPHED_REQUIRE_GPU();
   std::vector<std::string> log;
-  const at::Tensor w = at::ones({4}, at::TensorOptions().device(at::kCUDA)).requires_grad_();
+  const at::Tensor w = cuda_ones(4).requires_grad_();
   TrainingIterationParts parts = logging_parts(log, w);
   parts.microbatches = 2;
   parts.guard.skip_nonfinite = true;
@@ -112,23 +116,21 @@ TEST(TrainingIterationOnGpu, RunsThePiecesInTheOrderOfTheNote) {
 TEST(TrainingIterationOnGpu, OneMicrobatchIsNotSplitAndNothingToSkipPassesNoFlag) {
   GRAPHED_REQUIRE_GPU();
   std::vector<std::string> log;
-  const at::Tensor w = at::ones({2}, at::TensorOptions().device(at::kCUDA)).requires_grad_();
-  TrainingIteration iteration(logging_parts(log, w));
-  (void)iteration({at::ones({2}, at::TensorOptions().device(at::kCUDA))});
+  TrainingIteration iteration(logging_parts(log, cuda_ones(2).requires_grad_()));
+  (void)iteration({cuda_ones(2)});
   EXPECT_EQ(log, (std::vector<std::string>{"zero_grad", "loss", "step()"}));
 }
 
 TEST(TrainingIterationOnGpu, ASplitMustGiveOneEntryPerMicrobatch) {
   GRAPHED_REQUIRE_GPU();
   std::vector<std::string> log;
-  const at::Tensor w = at::ones({2}, at::TensorOptions().device(at::kCUDA)).requires_grad_();
-  TrainingIterationParts parts = logging_parts(log, w);
+  TrainingIterationParts parts = logging_parts(log, cuda_ones(2).requires_grad_());
   parts.microbatches = 3;
   parts.split = [](const std::vector<IValue>& batch, int) {
     return std::vector<std::vector<IValue>>{batch};
   };
   TrainingIteration iteration(std::move(parts));
-  EXPECT_THROW_WITH(iteration({at::ones({2}, at::TensorOptions().device(at::kCUDA))}), Error,
+  EXPECT_THROW_WITH(iteration({cuda_ones(2)}), Error,
                     "Expected the split of a batch to give 3 microbatches (microbatches=3), got 1");
 }
 
