@@ -5,7 +5,6 @@
 #include "graphed/check.h"
 #include "graphed/static_io.h"
 
-#include <ATen/autocast_mode.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/function.h>
@@ -25,38 +24,6 @@ std::vector<std::string> default_batch_names(size_t count) {
   return names;
 }
 
-// Autocast on CUDA to `dtype` (when set) for its lifetime, cache off: the
-// cache would keep casts made during capture in the graph's pool.
-class AutocastScope {
- public:
-  explicit AutocastScope(std::optional<c10::ScalarType> dtype) : active_(dtype.has_value()) {
-    if (!active_) {
-      return;
-    }
-    was_enabled_ = at::autocast::is_autocast_enabled(at::kCUDA);
-    previous_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
-    cache_was_enabled_ = at::autocast::is_autocast_cache_enabled();
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-    at::autocast::set_autocast_dtype(at::kCUDA, *dtype);
-    at::autocast::set_autocast_cache_enabled(false);
-  }
-  ~AutocastScope() {
-    if (active_) {
-      at::autocast::set_autocast_enabled(at::kCUDA, was_enabled_);
-      at::autocast::set_autocast_dtype(at::kCUDA, previous_dtype_);
-      at::autocast::set_autocast_cache_enabled(cache_was_enabled_);
-    }
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-
- private:
-  bool active_;
-  bool was_enabled_ = false;
-  c10::ScalarType previous_dtype_ = c10::kHalf;
-  bool cache_was_enabled_ = true;
-};
-
 // Microbatch `index` of `count`: every tensor split along dim 0.
 std::vector<c10::IValue> microbatch(const std::vector<c10::IValue>& batch, int64_t index,
                                     int64_t count) {
@@ -73,6 +40,17 @@ std::vector<c10::IValue> microbatch(const std::vector<c10::IValue>& batch, int64
     }));
   }
   return part;
+}
+
+// The C++ split of TrainStep::from_parts: every tensor of the batch values
+// split evenly along dim 0.
+std::vector<std::vector<c10::IValue>> split_microbatches(const std::vector<c10::IValue>& batch,
+                                                         int count) {
+  std::vector<std::vector<c10::IValue>> parts;
+  for (int i = 0; i < count; ++i) {
+    parts.push_back(microbatch(batch, i, count));
+  }
+  return parts;
 }
 
 std::string describe_stream(const c10::Stream& stream) {
@@ -130,62 +108,37 @@ TrainStep TrainStep::from_parts(TrainStepParts parts, std::vector<c10::IValue> s
                 "function computing a microbatch's loss.");
   GRAPHED_CHECK(parts.optimizer != nullptr, "TrainStepParts::optimizer is null: expected a "
                 "CapturableAdamW or CapturableSGD.");
-  GRAPHED_CHECK(parts.microbatches >= 1, "Expected microbatches >= 1, got ", parts.microbatches,
-                ".");
-  GRAPHED_CHECK(!parts.autocast || *parts.autocast == c10::kBFloat16 ||
-                    *parts.autocast == c10::kHalf,
-                "Expected autocast to be bfloat16 or float16, got ", *parts.autocast, ".");
-  const std::vector<at::Tensor>& params = parts.optimizer->params();
-  auto guard = std::make_shared<GradientGuard>(params.at(0).device(), parts.guard);
-  // A skipped step leaves the buffers too as they were: Note [Buffers of a skipped step].
-  guard->protect_buffers(parts.buffers);
+  // The sequence itself lives in TrainingIteration (Note [One training
+  // iteration]); these are its LibTorch pieces.
+  std::shared_ptr<CapturableOptimizer> optimizer = parts.optimizer;
+  TrainingIterationParts pieces;
+  static_cast<TrainingIterationOptions&>(pieces) = parts;
+  pieces.loss = std::move(parts.loss);
+  pieces.split = split_microbatches;
+  pieces.zero_grad = [optimizer] { optimizer->zero_grad(/*set_to_none=*/true); };
+  pieces.step = [optimizer](const at::Tensor& found_inf) { optimizer->step(found_inf); };
+  pieces.params = optimizer->params();
+  auto iteration = std::make_shared<TrainingIteration>(std::move(pieces));
 
-  for (const at::Tensor& p : params) {
+  for (const at::Tensor& p : iteration->params()) {
     options.state.push_back(p);
     if (p.grad().defined()) {
       options.state.push_back(p.grad());
     }
   }
-  for (const auto* tensors : {&parts.buffers}) {
-    options.state.insert(options.state.end(), tensors->begin(), tensors->end());
-  }
-  for (const at::Tensor& t : parts.optimizer->state()) {
+  options.state.insert(options.state.end(), parts.buffers.begin(), parts.buffers.end());
+  for (const at::Tensor& t : optimizer->state()) {
     options.state.push_back(t);
   }
-  for (const at::Tensor& t : guard->state()) {
+  for (const at::Tensor& t : iteration->guard()->state()) {
     options.state.push_back(t);
   }
 
-  TrainStepFunction iteration = [parts = std::move(parts),
-                                 guard](const std::vector<c10::IValue>& batch) -> c10::IValue {
-    guard->begin_step();
-    parts.optimizer->zero_grad(/*set_to_none=*/true);
-    at::Tensor total;
-    for (int i = 0; i < parts.microbatches; ++i) {
-      at::Tensor loss;
-      {
-        AutocastScope autocast(parts.autocast);
-        const c10::IValue value = parts.loss(microbatch(batch, i, parts.microbatches));
-        GRAPHED_CHECK(value.isTensor() && value.toTensor().numel() == 1, "The microbatch loss "
-                      "must be a tensor with one element, got ", describe_value(value), ".");
-        loss = value.toTensor();
-      }
-      loss = loss.to(at::kFloat) / parts.microbatches;
-      guard->scale_loss(loss).backward();
-      total = total.defined() ? total + loss.detach() : loss.detach();
-    }
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& p : parts.optimizer->params()) {
-      if (p.grad().defined()) {
-        grads.push_back(p.grad());
-      }
-    }
-    parts.optimizer->step(guard->process(total, grads));
-    guard->after_step();
-    return total;
+  TrainStepFunction run = [iteration](const std::vector<c10::IValue>& batch) -> c10::IValue {
+    return (*iteration)(batch);
   };
-  TrainStep step(std::move(iteration), std::move(sample_batch), std::move(options));
-  step.guard_ = std::move(guard);
+  TrainStep step(std::move(run), std::move(sample_batch), std::move(options));
+  step.guard_ = iteration->guard();
   return step;
 }
 

@@ -32,4 +32,5 @@
 #include "graphed/tensor_identity.h"
 #include "graphed/training_group.h"
 #include "graphed/train_step.h"
+#include "graphed/training_iteration.h"
 #include "graphed/version.h"

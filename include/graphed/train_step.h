@@ -9,6 +9,7 @@
 #include "graphed/capture.h"
 #include "graphed/grad_guard.h"
 #include "graphed/optim.h"
+#include "graphed/training_iteration.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -110,25 +111,15 @@ struct TrainStepOptions {
   std::optional<CollectiveCapture> collectives;
 };
 
-/// The parts of the usual training iteration, for TrainStep::from_parts.
-struct TrainStepParts {
+/// The parts of the usual training iteration, for TrainStep::from_parts; the
+/// options (buffers, microbatches, guard, autocast) are those of
+/// TrainingIterationOptions.
+struct TrainStepParts : TrainingIterationOptions {
   /// The loss of one microbatch: forward and loss function (called with the
   /// batch values split along dim 0, one microbatch at a time).
   TrainStepFunction loss;
   /// The optimizer; its parameters are what the iteration trains.
   std::shared_ptr<CapturableOptimizer> optimizer;
-  /// Buffers the forward updates (BatchNorm statistics), restored after capture,
-  /// and restored on the device after a skipped step (Note [Buffers of a
-  /// skipped step]).
-  std::vector<at::Tensor> buffers;
-  /// Microbatches per iteration: the batch is split along dim 0 and their
-  /// gradients accumulate.
-  int microbatches = 1;
-  /// Non-finite skipping, clipping and fp16 loss scaling.
-  GradientGuardOptions guard;
-  /// Run the forward under CUDA autocast to this dtype (bfloat16 or float16),
-  /// with the autocast cache off; fp32 when unset.
-  std::optional<c10::ScalarType> autocast;
 };
 
 /// A training iteration captured as one CUDA graph.
@@ -141,15 +132,17 @@ class TrainStep {
   TrainStep(TrainStepFunction step, std::vector<c10::IValue> sample_batch,
             TrainStepOptions options = {});
 
-  /// The usual iteration built from its parts, as Python's
-  /// graphed.TrainStep.from_parts: gradients dropped (the backward writes them
-  /// fresh), forward and backward over each microbatch with the loss divided
-  /// by their number (scaled for fp16), then GradientGuard::process (unscale,
-  /// non-finite check, clipping, and the buffers put back when the step is
-  /// skipped), the optimizer step (skipped on the device for non-finite
-  /// steps) and the loss-scale update. The step returns the
-  /// summed microbatch losses. `options.state` may add tensors; the parts'
-  /// own state is included.
+  /// The usual iteration built from its parts: a TrainingIteration (Note
+  /// [One training iteration]) whose optimizer pieces are `parts.optimizer`'s
+  /// and whose split divides every batch tensor evenly along dim 0, the same
+  /// sequence Python's graphed.TrainStep.from_parts runs with torch.optim:
+  /// gradients dropped (the backward writes them fresh), forward and
+  /// backward over each microbatch with the loss divided by their number
+  /// (scaled for fp16), then GradientGuard::process (unscale, non-finite
+  /// check, clipping, and the buffers put back when the step is skipped), the
+  /// optimizer step (skipped on the device for non-finite steps) and the
+  /// loss-scale update. The step returns the summed microbatch losses.
+  /// `options.state` may add tensors; the parts' own state is included.
   static TrainStep from_parts(TrainStepParts parts, std::vector<c10::IValue> sample_batch,
                               TrainStepOptions options = {});
 

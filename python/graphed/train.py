@@ -307,6 +307,14 @@ def split_batch(value: Any, parts: int) -> List[Any]:
     return [value] * parts
 
 
+def _optimizer_step(optimizer: torch.optim.Optimizer, found_inf: Optional[torch.Tensor]) -> None:
+    """torch.optim's fused steps read the skip flag from ``optimizer.found_inf``,
+    where torch.amp.GradScaler puts it."""
+    if found_inf is not None:
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    optimizer.step()
+
+
 def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
                        loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any, *,
                        microbatches: int = 1, clip_grad_norm: Optional[float] = None,
@@ -315,7 +323,9 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
                        ) -> Tuple[Callable[[Any], torch.Tensor], Any]:
     """The iteration :meth:`TrainStep.from_parts` captures, and its gradient guard.
 
-    Makes ``optimizer`` capturable (:func:`make_capturable`). Returns
+    Makes ``optimizer`` capturable (:func:`make_capturable`) and hands the
+    model, loss and optimizer as pieces to the C++ core's iteration
+    (``_C.TrainingIteration``, which owns the order of operations). Returns
     ``(iteration, guard)``: ``iteration(batch)`` runs one step eagerly and
     returns the mean loss; ``guard.state()`` lists the guard's tensors;
     ``iteration.notes`` says what graphed changed about the forward (Note
@@ -327,46 +337,33 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise GraphedError(f"Expected microbatches >= 1, got {microbatches}.")
     check_batch_form(sample_batch, loss_fn)
     extra_kwargs, notes = training_forward_kwargs(model, sample_batch)
-    device = _device_of(make_capturable(optimizer))
+    make_capturable(optimizer)
     scaling = loss_scaling or (_C.LossScaling() if amp == "fp16" else None)
     if (skip_nonfinite or scaling is not None) and not _fusable(optimizer):
         raise GraphedError(
             f"Skipping non-finite steps inside the graph needs an optimizer whose step reads "
             f"a device flag: fused Adam, AdamW or SGD; got {type(optimizer).__name__}. "
             "Use one of those, or skip_nonfinite=False.")
-    guard = _C.GradientGuard(device, skip_nonfinite, clip_grad_norm, scaling)
-    # A skipped step leaves the buffers as they were too (BatchNorm statistics):
-    # Note [Buffers of a skipped step] in include/graphed/grad_guard.h.
-    guard.protect_buffers(list(model.buffers()))
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-
-    def forward_loss(micro_batch: Any) -> torch.Tensor:
-        if autocast_dtype is None:
-            return batch_loss(model, loss_fn, micro_batch, extra_kwargs)
-        # The autocast cache would hold casts made during capture: keep it off.
-        with torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False):
-            return batch_loss(model, loss_fn, micro_batch, extra_kwargs)
+    # The order of operations lives in the C++ core (Note [One training
+    # iteration] in include/graphed/training_iteration.h); these are its
+    # nn.Module and torch.optim pieces. The guard puts the model's buffers
+    # back after a skipped step (Note [Buffers of a skipped step]).
+    core = _C.TrainingIteration(
+        loss=lambda micro_batch: batch_loss(model, loss_fn, micro_batch, extra_kwargs),
+        split=split_batch,
+        zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
+        step=lambda found_inf: _optimizer_step(optimizer, found_inf),
+        params=[p for group in optimizer.param_groups for p in group["params"]],
+        buffers=list(model.buffers()), microbatches=microbatches,
+        skip_nonfinite=skip_nonfinite, clip_grad_norm=clip_grad_norm, loss_scaling=scaling,
+        autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp))
 
     def iteration(batch: Any) -> torch.Tensor:
-        guard.begin_step()
-        optimizer.zero_grad(set_to_none=True)
-        total = None
-        for micro_batch in split_batch(batch, microbatches):
-            loss = forward_loss(micro_batch).float() / microbatches
-            guard.scale_loss(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        grads = [p.grad for p in params if p.grad is not None]
-        found_inf = guard.process(total, grads)
-        if found_inf is not None:
-            optimizer.found_inf = found_inf
-        optimizer.step()
-        guard.after_step()
-        return total
+        return core(batch)
 
     iteration.__qualname__ = f"TrainStep.from_parts({type(model).__name__})"
     iteration.notes = notes  # type: ignore[attr-defined]
-    return iteration, guard
+    return iteration, core.guard
 
 
 class TrainStep:

@@ -1,10 +1,15 @@
-// graphed._C: TrainStep, GradientGuard and the capturable optimizers. Conversion only.
+// graphed._C: TrainStep, TrainingIteration, GradientGuard and the capturable optimizers.
+// Conversion only.
 
+#include "graphed/check.h"
 #include "graphed/grad_guard.h"
 #include "graphed/optim.h"
 #include "graphed/train_step.h"
+#include "graphed/training_iteration.h"
 #include "python_values.h"
 #include "registration.h"
+
+#include <torch/csrc/Exceptions.h>
 
 namespace graphed::python {
 namespace {
@@ -35,6 +40,52 @@ std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sa
   TrainStepFunction call = wrap_single_argument_call(std::move(step));
   py::gil_scoped_release no_gil;
   return std::make_shared<TrainStep>(std::move(call), std::move(sample), std::move(options));
+}
+
+// Python's split(batch, microbatches) -> a list of microbatches, as the core's
+// MicrobatchSplit: the batch is one value, and so is each microbatch.
+MicrobatchSplit wrap_split(py::object split) {
+  CapturableFunction call = wrap_call(std::move(split));
+  return [call](const std::vector<c10::IValue>& batch, int microbatches) {
+    const c10::IValue parts =
+        call({c10::ivalue::Tuple::create({batch.at(0), c10::IValue(microbatches)}),
+              c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get())});
+    GRAPHED_CHECK(parts.isList() || parts.isTuple(), "Expected the split of a batch to return "
+                  "a list of microbatches, got ", parts.tagKind(), ". Return one value per "
+                  "microbatch, as graphed.train.split_batch does.");
+    std::vector<std::vector<c10::IValue>> result;
+    for (const c10::IValue& part : parts.isList() ? parts.toListRef()
+                                                  : parts.toTupleRef().elements()) {
+      result.push_back({part});
+    }
+    return result;
+  };
+}
+
+// Python's step(found_inf) with found_inf a tensor or None.
+std::function<void(const at::Tensor&)> wrap_step(py::object step) {
+  CapturableFunction call = wrap_single_argument_call(std::move(step));
+  return [call](const at::Tensor& found_inf) {
+    (void)call({found_inf.defined() ? c10::IValue(found_inf) : c10::IValue()});
+  };
+}
+
+std::shared_ptr<TrainingIteration> make_training_iteration(
+    py::object loss, py::object split, py::object zero_grad, py::object step,
+    std::vector<at::Tensor> params, std::vector<at::Tensor> buffers, int microbatches,
+    bool skip_nonfinite, std::optional<double> clip_grad_norm,
+    std::optional<LossScaling> loss_scaling, std::optional<at::ScalarType> autocast) {
+  TrainingIterationParts parts;
+  parts.loss = wrap_single_argument_call(std::move(loss));
+  parts.split = wrap_split(std::move(split));
+  parts.zero_grad = wrap_procedure(std::move(zero_grad));
+  parts.step = wrap_step(std::move(step));
+  parts.params = std::move(params);
+  parts.buffers = std::move(buffers);
+  parts.microbatches = microbatches;
+  parts.guard = GradientGuardOptions{skip_nonfinite, clip_grad_norm, loss_scaling};
+  parts.autocast = autocast;
+  return std::make_shared<TrainingIteration>(std::move(parts));
 }
 
 }  // namespace
@@ -132,6 +183,42 @@ void register_training(py::module_& m) {
       .def_property_readonly("loss_scale", &GradientGuard::loss_scale)
       .def_property_readonly("grad_norm", &GradientGuard::grad_norm)
       .def("state", &GradientGuard::state);
+
+  py::class_<TrainingIteration, std::shared_ptr<TrainingIteration>>(
+      m, "TrainingIteration",
+      "The usual training iteration, whose order of operations lives in the C++ core (Note [One "
+      "training iteration] in include/graphed/training_iteration.h), built from Python pieces: "
+      "loss(microbatch) (forward and loss), split(batch, microbatches), zero_grad(), "
+      "step(found_inf) (found_inf a device flag or None), the parameters and the buffers a "
+      "skipped step puts back. Calling it runs one iteration on a batch and returns the summed "
+      "microbatch losses.")
+      .def(py::init(&make_training_iteration), py::kw_only(), py::arg("loss"), py::arg("split"),
+           py::arg("zero_grad"), py::arg("step"), py::arg("params"), py::arg("buffers"),
+           py::arg("microbatches"), py::arg("skip_nonfinite"), py::arg("clip_grad_norm"),
+           py::arg("loss_scaling"), py::arg("autocast"))
+      .def(
+          "__call__",
+          [](TrainingIteration& self, const py::object& batch) {
+            const std::vector<c10::IValue> values{to_ivalue(batch)};
+            at::Tensor loss;
+            try {
+              // Backward runs in here: Note [One training iteration] says why
+              // the GIL must be released.
+              py::gil_scoped_release no_gil;
+              loss = self(values);
+            } catch (python_error& error) {
+              // Raised in a Python autograd node during backward: give Python
+              // its exception back, as Tensor.backward() would.
+              error.restore();
+              throw py::error_already_set();
+            }
+            return loss;
+          },
+          py::arg("batch"), "Runs one iteration on `batch` and returns the loss.")
+      .def_property_readonly("guard", &TrainingIteration::guard,
+                             "The iteration's GradientGuard.")
+      .def_property_readonly("microbatches", &TrainingIteration::microbatches,
+                             "Microbatches per iteration.");
 
   m.def("clip_grad_norm", &clip_grad_norm, py::arg("grads"), py::arg("max_norm"));
   m.attr("COLLECTIVE_WARMUP_ITERS") = kCollectiveWarmupIters;
