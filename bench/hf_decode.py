@@ -4,10 +4,22 @@ and 32. Paths, side by side in one process: HF generate with DynamicCache, HF
 generate on the StaticCache (eager, auto-compile off), the StaticCache with
 torch.compile(mode="reduce-overhead") as transformers documents it, and
 graphed.generate. Results are ms per new token; graphed rows add capture_s,
-graph_mb and same_tokens_as_hf_static; a path that fails records `error`."""
+graph_mb and same_tokens_as_hf_static; a path that fails records `error`.
+
+The torch.compile path runs in a child process (same model, same seed, same
+prompts): on torch 2.11 with transformers 5.17 its cudagraph tree can kill the
+process with a segmentation fault inside Inductor's kernel launcher, and a dead
+process must not take the other paths' results with it. Its ms are the
+child's; its tokens are compared with the child's own static-cache eager run."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict
@@ -62,7 +74,12 @@ def _decode_floor_ms(model, ids, max_cache_len: int) -> float:
     return round(ms, 4)
 
 
+# Set in a child process that measures only the torch.compile path, at this batch.
+_COMPILE_BATCH = "HF_DECODE_COMPILE_BATCH"
+
+
 def run(quick: bool = False) -> Dict[str, Any]:
+    compile_batch = int(os.environ.get(_COMPILE_BATCH, "0"))
     torch.backends.cuda.matmul.allow_tf32 = True
     model = llama()
     batches = (1, 8) if quick else (1, 8, 32)
@@ -84,14 +101,23 @@ def run(quick: bool = False) -> Dict[str, Any]:
         torch.cuda.synchronize()
 
     for batch in batches:
+        if compile_batch and batch != compile_batch:
+            continue
         ids = torch.randint(0, 32000, (batch, PROMPT), device="cuda",
                             generator=torch.Generator(device="cuda").manual_seed(batch))
+        hf_static: Dict[str, torch.Tensor] = {}
+        if compile_batch:
+            attempt(f"hf_eager_static_b{batch}", lambda: _static_tokens(model, ids, common,
+                                                                        max_cache_len, hf_static))
+            attempt(f"hf_compile_static_b{batch}", lambda: _compiled(model, ids, common,
+                                                                     max_cache_len, repeats,
+                                                                     new_tokens, hf_static))
+            continue
         try:
             record["kernel_floor_ms"][str(batch)] = _decode_floor_ms(model, ids, max_cache_len)
         except Exception as error:
             record["kernel_floor_ms"][str(batch)] = None
             record.setdefault("errors", {})[f"kernel_floor_b{batch}"] = repr(error)[-2000:]
-        hf_static = {}
 
         def dynamic():
             with torch.no_grad():
@@ -105,29 +131,6 @@ def run(quick: bool = False) -> Dict[str, Any]:
                                             **common)
                 hf_static["tokens"] = fn()
                 return {"ms": _ms_per_token(fn, repeats, new_tokens)}
-
-        def compiled():
-            # transformers' documented recipe: compile the forward, static cache.
-            forward = model.forward
-            try:
-                model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
-                with torch.no_grad():
-                    fn = lambda: model.generate(ids, cache_implementation="static",  # noqa: E731
-                                                max_cache_len=max_cache_len,
-                                                disable_compile=True, **common)
-                    started = time.perf_counter()
-                    tokens = fn()
-                    fn()
-                    torch.cuda.synchronize()
-                    compile_s = time.perf_counter() - started
-                    out = {"ms": _ms_per_token(fn, repeats, new_tokens),
-                           "compile_s": round(compile_s, 2)}
-                    if "tokens" in hf_static:
-                        out["same_tokens_as_hf_static"] = bool(torch.equal(tokens, hf_static["tokens"]))
-                    return out
-            finally:
-                model.forward = forward
-                torch._dynamo.reset()
 
         def ours():
             model.__dict__.pop("_graphed_decoder", None)
@@ -157,7 +160,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
         attempt(f"hf_eager_dynamic_b{batch}", dynamic)
         attempt(f"hf_eager_static_b{batch}", static)
         if not quick or batch == 1:
-            attempt(f"hf_compile_static_b{batch}", compiled)
+            methods[f"hf_compile_static_b{batch}"] = _compiled_in_own_process(quick, batch)
         attempt(f"graphed_generate_b{batch}", ours)
         floor = record["kernel_floor_ms"].get(str(batch))
         ours_ms = methods[f"graphed_generate_b{batch}"].get("ms")
@@ -169,3 +172,65 @@ def run(quick: bool = False) -> Dict[str, Any]:
         model.__dict__.pop("_graphed_decoder", None)
         torch.cuda.empty_cache()
     return record
+
+
+def _static_tokens(model, ids, common, max_cache_len, hf_static) -> Dict[str, Any]:
+    with torch.no_grad():
+        hf_static["tokens"] = model.generate(ids, cache_implementation="static",
+                                             max_cache_len=max_cache_len, disable_compile=True,
+                                             **common)
+    return {"tokens_only": True}
+
+
+def _compiled(model, ids, common, max_cache_len, repeats, new_tokens, hf_static) -> Dict[str, Any]:
+    """transformers' documented recipe: compile the forward, static cache."""
+    forward = model.forward
+    try:
+        model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+        with torch.no_grad():
+            fn = lambda: model.generate(ids, cache_implementation="static",  # noqa: E731
+                                        max_cache_len=max_cache_len, disable_compile=True,
+                                        **common)
+            started = time.perf_counter()
+            tokens = fn()
+            fn()
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - started
+            out = {"ms": _ms_per_token(fn, repeats, new_tokens), "compile_s": round(compile_s, 2)}
+            if "tokens" in hf_static:
+                out["same_tokens_as_hf_static"] = bool(torch.equal(tokens, hf_static["tokens"]))
+            return out
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
+
+
+def _compiled_in_own_process(quick: bool, batch: int) -> Dict[str, Any]:
+    """The hf_compile_static row of `batch`, measured in a child process; a
+    child that dies gives the row its cause (the signal, the last frames)."""
+    name = f"hf_compile_static_b{batch}"
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "hf_decode_compile.json")
+        env = dict(os.environ, **{_COMPILE_BATCH: str(batch)})
+        run_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py")
+        command = [sys.executable, "-X", "faulthandler", run_py, "--json", out, "hf_decode"]
+        if quick:
+            command.append("--quick")
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return {"error": "timed out after 300 s in its own process"}
+        child = {}
+        if os.path.exists(out):
+            with open(out) as file:
+                child = json.load(file).get("workloads", {}).get("hf_decode", {}).get("methods", {})
+    if name in child:
+        return dict(child[name], measured_in="its own process")
+    code = done.returncode
+    cause = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    # faulthandler prints the crashing thread after "Current thread", innermost first.
+    crashing = done.stderr.split("Current thread", 1)[-1]
+    frames = [line.strip() for line in crashing.splitlines() if line.strip().startswith("File ")]
+    return {"error": f"the process measuring torch.compile died ({cause}); innermost frames: "
+                     f"{frames[:3]}",
+            "stderr_tail": done.stderr[-1500:]}
