@@ -39,6 +39,7 @@ WORKLOADS["zoo"] = zoo.run
 
 # LLM decoding of Hugging Face models (issue 14)
 import hf_decode  # noqa: E402
+import hf_decode_report  # noqa: E402
 
 WORKLOADS["hf_decode"] = hf_decode.run
 
@@ -69,6 +70,10 @@ def markdown(results) -> str:
         if "host_us" in workload:
             lines.append(f"### {name}\n\n| case | host us per call |\n|---|---:|")
             lines.extend(f"| {case} | {us:.2f} |" for case, us in workload["host_us"].items())
+            lines.append("")
+            continue
+        if isinstance(workload.get("kernel_floor_ms"), dict):  # hf_decode: per batch
+            lines.extend(hf_decode_report.markdown(workload))
             lines.append("")
             continue
         lines.append(f"### {name} (kernel floor {workload['kernel_floor_ms']:.4f} ms)\n")

@@ -102,6 +102,9 @@ def main(out, bench_name="h200.json"):
             for case, us in data["host_us"].items():
                 print(f"| {workload} | {case} | {us:.2f} us host | | | | |")
             continue
+        if isinstance(data.get("kernel_floor_ms"), dict):
+            print(f"| {workload} | see the hf_decode table | | | | | |")
+            continue
         if "kernel_floor_ms" in data:
             print(f"| {workload} | kernel floor | {data['kernel_floor_ms']:.4f} | 1.00 | | | |")
         for method, r in data["methods"].items():
@@ -115,6 +118,9 @@ def main(out, bench_name="h200.json"):
         if "models" in data:
             print()
             print(_zoo_markdown(data))
+        if isinstance(data.get("kernel_floor_ms"), dict):
+            print()
+            print(_hf_decode_markdown(data))
     if results.get("advice"):
         print("\n| advice | predicted ms | measured ms | error |")
         print("|---|---:|---:|---:|")
@@ -124,6 +130,13 @@ def main(out, bench_name="h200.json"):
             else:
                 print(f"| {workload} ({entry['method']}) | {entry['predicted_ms']:.4f} | "
                       f"{entry['measured_ms']:.4f} | {100 * entry['rel_error']:+.1f}% |")
+
+
+def _hf_decode_markdown(data):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import hf_decode_report  # without importing graphed or torch
+
+    return "\n".join(hf_decode_report.markdown(data))
 
 
 def _zoo_markdown(data):

@@ -44,6 +44,17 @@ void CudaEvent::block(cudaStream_t stream) const {
   GRAPHED_CHECK_CUDA(cudaStreamWaitEvent(stream, event_, 0));
 }
 
+bool CudaEvent::query() const {
+  GRAPHED_CHECK(event_ != nullptr, "Expected a live CudaEvent, got a moved-from one.");
+  const cudaError_t status = cudaEventQuery(event_);
+  if (status == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not an error: clear it so later checks do not see it
+    return false;
+  }
+  GRAPHED_CHECK_CUDA(status);
+  return true;
+}
+
 void CudaEvent::reset() noexcept {
   if (event_ != nullptr) {
     GRAPHED_WARN_CUDA(cudaEventDestroy(event_));

@@ -211,6 +211,10 @@ Decoder::Decoder(DecodeStep step, PrefillStep prefill, DecoderOptions options,
   inputs_.batch = options_.max_batch;
   state_ = make_decode_state(options_.max_batch, options_.max_len, device_);
   eos_ = at::tensor(options_.eos_token_ids, at::TensorOptions().dtype(at::kLong)).to(device_);
+  if (device_.is_cuda()) {
+    done_host_ = at::zeros({1}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
+    done_copied_.emplace();
+  }
   for (int64_t size : buckets_) {
     auto bucket = std::make_unique<Bucket>();
     bucket->batch = size;
@@ -443,14 +447,18 @@ DecodeResult Decoder::generate(const at::Tensor& input_ids, const at::Tensor& at
     callback(last_tokens.cpu());
     done = state_.done.item<bool>();
   }
+  // Note [The decode loop]: rows finish only on an end-of-sequence token at
+  // or after min_new_tokens; until then there is no flag worth reading.
+  const bool can_finish = !options_.eos_token_ids.empty();
+  done_copy_pending_ = false;  // the last request ended with a synchronising read
   while (!done && steps < max_new_tokens) {
     run_step(bucket);
     ++steps;
     if (callback) {
       callback(last_tokens.cpu());
       done = state_.done.item<bool>();
-    } else if (steps % options_.check_every == 0) {
-      done = state_.done.item<bool>();
+    } else if (can_finish && steps >= min_new_tokens && steps % options_.check_every == 0) {
+      done = poll_done();
     }
   }
   DecodeResult result;
@@ -459,6 +467,28 @@ DecodeResult Decoder::generate(const at::Tensor& input_ids, const at::Tensor& at
   result.steps = steps;
   result.bucket = rows;
   return result;
+}
+
+bool Decoder::poll_done() {
+  if (!done_copied_) {
+    return state_.done.item<bool>();  // eager decoding on the CPU: a read costs nothing
+  }
+  // Note [The decode loop]: read the copy only once it has landed; start the
+  // next copy only after reading the last, so done_host_ is never overwritten
+  // while being read.
+  if (done_copy_pending_) {
+    if (!done_copied_->query()) {
+      return false;
+    }
+    done_copy_pending_ = false;
+    if (done_host_.item<bool>()) {
+      return true;
+    }
+  }
+  done_host_.copy_(state_.done, /*non_blocking=*/true);
+  done_copied_->record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+  done_copy_pending_ = true;
+  return false;
 }
 
 std::vector<BucketReport> Decoder::memory_report() const {

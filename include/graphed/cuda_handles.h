@@ -86,6 +86,8 @@ class CudaEvent {
   void record(cudaStream_t stream);
   /// Makes `stream` wait until the work recorded before the event is done.
   void block(cudaStream_t stream) const;
+  /// Whether the work recorded before the event is done, without waiting.
+  bool query() const;
   /// The owned handle (null when moved from).
   cudaEvent_t get() const noexcept { return event_; }
   /// Destroys the owned event, if any.

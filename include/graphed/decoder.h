@@ -9,6 +9,7 @@
 /// positions, the output buffer, and a C++ token loop that only replays.
 /// graphed.generate and graphed.Decoder adapt Hugging Face models to it.
 
+#include "graphed/cuda_handles.h"
 #include "graphed/graph.h"
 
 #include <ATen/core/Tensor.h>
@@ -208,9 +209,13 @@ using TokenCallback = std::function<void(const at::Tensor& tokens)>;
 /// writes the token into the output buffer at a device-side index. So the
 /// host loop only launches graphs: no Python, no copies, no per-token
 /// synchronisation. Every check_every tokens it copies the done flag to
-/// pinned memory and stops when every row finished; steps run after that
-/// are cut off using the device's `generated` count, so the output has
-/// exactly Hugging Face's length. Positions and masks are device tensors that
+/// pinned memory behind an event and, at a later check, reads it only if
+/// the event has passed: the host never waits on the flag, so the GPU's
+/// queue of replays never drains (a blocking read every 8 tokens cost 9% of
+/// the step time at batch 1 on the H200). It stops when every row finished;
+/// steps run after that are cut off using the device's `generated` count, so
+/// the output has exactly Hugging Face's length. Without end-of-sequence
+/// tokens, and before min_new_tokens, no row can finish and nothing is read. Positions and masks are device tensors that
 /// the graph itself advances, never host values baked into the graph (the
 /// bug of hand-written graphs around a static cache).
 ///
@@ -303,7 +308,11 @@ class Decoder {
   DecodeInputs inputs_;
   DecodeState state_;
   at::Tensor eos_;
-  at::Tensor done_host_;  // pinned, [1] bool
+  bool poll_done();
+
+  at::Tensor done_host_;  // pinned, [1] bool: the done flag's last copy
+  std::optional<CudaEvent> done_copied_;  // passes when done_host_ holds it
+  bool done_copy_pending_ = false;
   std::map<int64_t, std::unique_ptr<Bucket>> graphs_;
   std::optional<PoolId> pool_;
   uint64_t clock_ = 0;
