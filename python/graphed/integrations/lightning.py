@@ -264,7 +264,7 @@ def step_conditions(trainer: Any, pl_module: Any, callback: Any = None, *,
     if len(optimizers) != 1:
         reasons.append(f"configure_optimizers returned {len(optimizers)} optimizers; a captured "
                        "step takes exactly one")
-    elif require_cuda:
+    else:
         problem = _optimizer_problem(optimizers[0])
         if problem:
             reasons.append(problem)
@@ -525,43 +525,31 @@ class TrainingStepModule(nn.Module):
 # --- the captured step --------------------------------------------------------------
 
 
-class GraphedTraining:
-    """The captured iteration of one LightningModule: a :class:`graphed.TrainStep`
-    over :func:`graphed.train.training_iteration` with the module's
-    ``training_step`` as its loss (the C++ core owns the order of operations)."""
+class StepEngine:
+    """What the callback needs of a captured step, apart from the capture:
+    the module's ``training_step`` as a loss (:class:`TrainingStepModule`),
+    the batch signature, the optimizer's hyperparameters at capture, and the
+    gradient and lr tensors the graph reads. :class:`GraphedTraining` adds the
+    graph; the CPU tests add an eager step with the same semantics."""
 
     def __init__(self, pl_module: nn.Module, optimizer: torch.optim.Optimizer,
-                 settings: StepSettings, sample_batch: Any, extra_args: Tuple[Any, ...],
-                 warmup: int) -> None:
+                 settings: StepSettings, sample_batch: Any,
+                 extra_args: Tuple[Any, ...]) -> None:
         self.optimizer = optimizer
+        self.settings = settings
         self.recorder = LogRecorder(settings.microbatches)
         self.adapter = TrainingStepModule(pl_module, self.recorder, extra_args)
-        device = next(p.device for g in optimizer.param_groups for p in g["params"])
-        for group in optimizer.param_groups:
-            # A checkpoint can bring lr back as a CPU tensor; make_capturable
-            # moves floats only.
-            if isinstance(group["lr"], torch.Tensor) and group["lr"].device != device:
-                group["lr"] = float(group["lr"])
-        self.iteration, guard = training_iteration(
-            self.adapter, optimizer, None, (sample_batch,), microbatches=settings.microbatches,
-            clip_grad_norm=settings.clip_grad_norm, amp=settings.amp)
-        self.adapter.calls = 0
-        self.step_graph = TrainStep(self.iteration, (sample_batch,), warmup=warmup,
-                                    modules=[self.adapter], optimizers=[optimizer],
-                                    state=guard.state(), guard=guard)
         self.signature = batch_signature(sample_batch)
-        # The graph's gradient buffers: an eager step in between (Lightning's
-        # zero_grad drops .grad) gets them back afterwards.
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.grads: List[Optional[torch.Tensor]] = []
+        self.lrs: List[Any] = []
+        self.hyper: List[Dict[str, Any]] = []
+
+    def captured(self) -> None:
+        """Records, after capture, the tensors and values the graph holds."""
         self.grads = [p.grad for p in self.params]
-        self.lrs = [g["lr"] for g in optimizer.param_groups]
-        self.hyper = [self._hyperparameters(g) for g in optimizer.param_groups]
-        # torch.optim's fused step reads optimizer.found_inf where GradScaler puts
-        # it; the graph does not need the attribute, and an eager step must not
-        # read the guard's flag of an earlier step.
-        for attribute in ("found_inf", "grad_scale"):
-            if hasattr(optimizer, attribute):
-                delattr(optimizer, attribute)
+        self.lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.hyper = [self._hyperparameters(g) for g in self.optimizer.param_groups]
 
     @staticmethod
     def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
@@ -586,7 +574,7 @@ class GraphedTraining:
         copied into the tensor the graph reads."""
         for group, lr in zip(self.optimizer.param_groups, self.lrs):
             current = group["lr"]
-            if current is not lr:
+            if isinstance(lr, torch.Tensor) and current is not lr:
                 with torch.no_grad():
                     lr.copy_(current) if isinstance(current, torch.Tensor) else lr.fill_(current)
                 group["lr"] = lr
@@ -597,16 +585,54 @@ class GraphedTraining:
             if p.grad is not g:
                 p.grad = g
 
+    def outputs(self) -> Dict[str, Any]:
+        """What training_step returned besides the loss (the graph's buffers)."""
+        return dict(self.adapter.outputs)
+
+    def stats(self) -> Dict[str, Any]:
+        """Statistics of the step (none without a graph)."""
+        return {}
+
+    def release(self) -> None:
+        """Frees what the step holds (nothing without a graph)."""
+
+
+class GraphedTraining(StepEngine):
+    """The captured iteration of one LightningModule: a :class:`graphed.TrainStep`
+    over :func:`graphed.train.training_iteration` with the module's
+    ``training_step`` as its loss (the C++ core owns the order of operations)."""
+
+    def __init__(self, pl_module: nn.Module, optimizer: torch.optim.Optimizer,
+                 settings: StepSettings, sample_batch: Any, extra_args: Tuple[Any, ...],
+                 warmup: int) -> None:
+        super().__init__(pl_module, optimizer, settings, sample_batch, extra_args)
+        device = self.params[0].device
+        for group in optimizer.param_groups:
+            # A checkpoint can bring lr back as a CPU tensor; make_capturable
+            # moves floats only.
+            if isinstance(group["lr"], torch.Tensor) and group["lr"].device != device:
+                group["lr"] = float(group["lr"])
+        self.iteration, guard = training_iteration(
+            self.adapter, optimizer, None, (sample_batch,), microbatches=settings.microbatches,
+            clip_grad_norm=settings.clip_grad_norm, amp=settings.amp)
+        self.adapter.calls = 0
+        self.step_graph = TrainStep(self.iteration, (sample_batch,), warmup=warmup,
+                                    modules=[self.adapter], optimizers=[optimizer],
+                                    state=guard.state(), guard=guard)
+        self.captured()
+        # torch.optim's fused step reads optimizer.found_inf where GradScaler puts
+        # it; the graph does not need the attribute, and an eager step must not
+        # read the guard's flag of an earlier step.
+        for attribute in ("found_inf", "grad_scale"):
+            if hasattr(optimizer, attribute):
+                delattr(optimizer, attribute)
+
     def step(self, batch: Any) -> torch.Tensor:
         """Replays one optimizer step on ``batch`` (the window's batches
         concatenated) and returns the mean loss."""
         self.restore_grads()
         self.sync_learning_rates()
         return self.step_graph.step((batch,))
-
-    def outputs(self) -> Dict[str, Any]:
-        """What training_step returned besides the loss (the graph's buffers)."""
-        return dict(self.adapter.outputs)
 
     def stats(self) -> Dict[str, Any]:
         """The TrainStep's graph statistics."""
@@ -866,6 +892,7 @@ class CUDAGraphs(_Callback):
 
     def _build_engine(self, optimizer: Any, batch: Any, kwargs: Any) -> bool:
         extra = tuple(v for k, v in kwargs.items() if k != "batch")
+        fused = [g.get("fused") for g in optimizer.param_groups]
         started = time.perf_counter()
         try:
             self._engine = self._make_engine(self._module, optimizer, self._settings, batch,
@@ -884,6 +911,9 @@ class CUDAGraphs(_Callback):
                 self._fall_back("the training step", reason)
             return False
         self._counts["capture_s"] += time.perf_counter() - started
+        if fused != [g.get("fused") for g in optimizer.param_groups]:
+            self._notes.append(f"{type(optimizer).__name__} switched to its fused implementation "
+                               "(graphed.make_capturable), which a captured step needs")
         notes = getattr(self._engine, "recorder", None)
         if notes is not None and notes.frozen:
             self._notes.append(f"logged Python numbers frozen at capture: {', '.join(notes.frozen)}")
