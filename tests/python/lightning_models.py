@@ -133,3 +133,63 @@ class CPUGraphs(CUDAGraphs):
 
     def _make_engine(self, pl_module, optimizer, settings, batch, extra_args):
         return EagerStep(pl_module, optimizer, settings, batch, extra_args)
+
+
+class GPTModule(pl.LightningModule):
+    """A tiny Hugging Face GPT-2 from its config (no dropout, no cache, eager
+    attention: deterministic kernels), trained on its own labels."""
+
+    def __init__(self, layers=2, width=64, heads=4, vocab=256, length=32, fused=True,
+                 capturable_eager=False, seed=0):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(seed)
+        config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                            n_positions=length, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+                            attn_implementation="eager")
+        self.model = GPT2LMHeadModel(config)
+        self.optimizer_kind, self.scheduler, self.fused = "adamw", None, fused
+        self.capturable_eager = capturable_eager
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        return configure(self, self.parameters())
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Random token sequences, ``labels`` equal to ``input_ids``."""
+
+    def __init__(self, count, length=32, vocab=256, seed=1):
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (count, length), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def token_data(batches, batch_size=4, seed=1, **kwargs):
+    return torch.utils.data.DataLoader(TokenData(batches * batch_size, seed=seed, **kwargs),
+                                       batch_size=batch_size)
+
+
+class StepOutputs(pl.Callback):
+    """Keeps the ``loss`` each training batch returned (a device tensor)."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if outputs and outputs.get("loss") is not None:
+            self.losses.append(outputs["loss"].detach().float().clone())
