@@ -444,6 +444,7 @@ class _GraphedState:
         self.saved_nan_filter: Optional[bool] = None
         self.patched_optimizer: Any = None
         self.unpatch: Tuple[bool, Any] = (False, None)
+        self.lr_tensors: List[torch.Tensor] = []
         self.eval_graphs: Dict[Tuple, Any] = {}
         self.eval_refused: Dict[Tuple, str] = {}
         self.eval_reasons: Optional[List[str]] = None
@@ -538,6 +539,7 @@ class _GraphedTrainerMixin:
                 reason = f"{reason.rstrip('.')}. {_SHAPE_HINT}"
         if reason:
             return self._graphed_eager_step(model, microbatches, num_items_in_batch, reason)
+        self._graphed_check_lr()
         model.train()
         self._graphed_patch_optimizer()
         self._graphed_track_lr()
@@ -550,6 +552,19 @@ class _GraphedTrainerMixin:
         state.grad_norm = norm.clone() if isinstance(norm, torch.Tensor) else None
         state.report.graphed_steps += 1
         return self._graphed_filter(loss.reshape(()))
+
+    def _graphed_check_lr(self) -> None:
+        """The graph reads each group's learning rate from the tensor it was
+        captured with; a scheduler that assigned a new value instead of filling
+        it in place would freeze the schedule silently."""
+        groups = _inner_optimizer(self.optimizer).param_groups
+        captured = self._graphed.lr_tensors
+        if len(groups) == len(captured) and all(g["lr"] is t for g, t in zip(groups, captured)):
+            return
+        raise GraphedError(
+            "Expected the optimizer's learning rates to stay the device tensors the step was "
+            "captured with (LR schedulers fill them in place), but something replaced them. "
+            "Set learning rates with group['lr'].fill_(value).")
 
     def _graphed_zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=self.args.device)
@@ -647,6 +662,7 @@ class _GraphedTrainerMixin:
         # remember them before make_capturable turns them into device tensors.
         lrs = [group["lr"] for group in optimizer.param_groups]
         make_capturable(optimizer)
+        state.lr_tensors = [group["lr"] for group in optimizer.param_groups]
         state.host_lr = [float(lr) for lr in lrs] if all(
             not isinstance(lr, torch.Tensor) for lr in lrs) else None
         loss_module = _TrainerLoss(self, model, microbatches, not divides, extra)
