@@ -380,3 +380,19 @@ def test_eval_graphs_per_signature(tmp_path, reference_step, monkeypatch):
     assert "max_eval_graphs=1" in fallback["reason"]
     predictions = trainer.predict(data)
     assert predictions.predictions.shape[:2] == (10, 16)
+
+
+def test_bench_module_imports_without_a_gpu():
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location(
+        "integrations_hf", os.path.join(root, "bench", "integrations_hf.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.loss_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert bench.loss_rel_diff([1.0], [1.0, 2.0]) is None
+    item = bench.TokenDataset(2)[0]
+    assert item["input_ids"].shape == (bench.LENGTH,) and torch.equal(item["labels"], item["input_ids"])
+    assert callable(bench.hf_trainer_step_ms) and callable(bench.hf_trainer_rows)
