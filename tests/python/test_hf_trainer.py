@@ -248,6 +248,9 @@ class ReferenceStep:
     def stats(self):
         return {"steps": self.steps}
 
+    def release(self):
+        self.released = True
+
 
 def fake_make_capturable(optimizer):
     """make_capturable's visible effect on the Trainer: a tensor learning rate."""
@@ -396,3 +399,15 @@ def test_bench_module_imports_without_a_gpu():
     item = bench.TokenDataset(2)[0]
     assert item["input_ids"].shape == (bench.LENGTH,) and torch.equal(item["labels"], item["input_ids"])
     assert callable(bench.hf_trainer_step_ms) and callable(bench.hf_trainer_rows)
+
+
+def test_step_mode_captures_again_after_load_state_dict(tmp_path, reference_step):
+    args = training_args(tmp_path, max_steps=2)
+    trainer = hf.GraphedTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenData())
+    trainer.train()
+    trainer.optimizer.load_state_dict(trainer.optimizer.state_dict())  # as resuming does
+    trainer.train()
+    first, second = reference_step.instances
+    assert first.released and second.steps == 2
+    assert any("captured again" in note for note in trainer.graphed_report.notes)
+    assert trainer.graphed_report.graphed_steps == 4

@@ -94,7 +94,9 @@ _SHAPE_HINT = ("A graph replays fixed shapes; the last partial batch of an epoch
 # an epoch, another shape, the last partial batch) runs all its micro-batches
 # through the plain training_step when the last one arrives, and the loop
 # clips and steps as usual: never a silent wrong result, and the reason is
-# logged and counted.
+# logged and counted. The graph reads the optimizer's state and learning-rate
+# tensors in place: when load_state_dict (resuming from a checkpoint) has
+# replaced the param groups, the step is captured again.
 # The plain loop reads every micro-batch's loss on the host when
 # logging_nan_inf_filter is on (`torch.isnan(loss) or torch.isinf(loss)`), a
 # sync per micro-batch. While a captured step is active the filter runs on the
@@ -445,6 +447,7 @@ class _GraphedState:
         self.patched_optimizer: Any = None
         self.unpatch: Tuple[bool, Any] = (False, None)
         self.lr_tensors: List[torch.Tensor] = []
+        self.recaptures = 0
         self.eval_graphs: Dict[Tuple, Any] = {}
         self.eval_refused: Dict[Tuple, str] = {}
         self.eval_reasons: Optional[List[str]] = None
@@ -539,7 +542,6 @@ class _GraphedTrainerMixin:
                 reason = f"{reason.rstrip('.')}. {_SHAPE_HINT}"
         if reason:
             return self._graphed_eager_step(model, microbatches, num_items_in_batch, reason)
-        self._graphed_check_lr()
         model.train()
         self._graphed_patch_optimizer()
         self._graphed_track_lr()
@@ -553,18 +555,14 @@ class _GraphedTrainerMixin:
         state.report.graphed_steps += 1
         return self._graphed_filter(loss.reshape(()))
 
-    def _graphed_check_lr(self) -> None:
-        """The graph reads each group's learning rate from the tensor it was
-        captured with; a scheduler that assigned a new value instead of filling
-        it in place would freeze the schedule silently."""
-        groups = _inner_optimizer(self.optimizer).param_groups
+    def _graphed_lr_kept(self, optimizer: Any) -> bool:
+        """Whether each group's learning rate is still the tensor the graph
+        reads: the optimizer's param groups were not replaced (load_state_dict),
+        nor a value assigned instead of filled in place."""
+        groups = optimizer.param_groups
         captured = self._graphed.lr_tensors
-        if len(groups) == len(captured) and all(g["lr"] is t for g, t in zip(groups, captured)):
-            return
-        raise GraphedError(
-            "Expected the optimizer's learning rates to stay the device tensors the step was "
-            "captured with (LR schedulers fill them in place), but something replaced them. "
-            "Set learning rates with group['lr'].fill_(value).")
+        return len(groups) == len(captured) and all(
+            g["lr"] is t for g, t in zip(groups, captured))
 
     def _graphed_zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=self.args.device)
@@ -609,7 +607,20 @@ class _GraphedTrainerMixin:
         optimizer = _inner_optimizer(self.optimizer)
         key = (id(model), id(optimizer))
         if state.train_step is not None and state.captured_for == key:
-            return ""
+            if self._graphed_lr_kept(optimizer):
+                return ""
+            # Note [The Trainer's loop around a captured step]: load_state_dict (resuming
+            # from a checkpoint) replaces the param groups and the state the graph reads.
+            state.recaptures += 1
+            if state.recaptures > 2:
+                raise GraphedError(
+                    "Expected the optimizer's learning rates to stay the device tensors the "
+                    "step was captured with (LR schedulers fill them in place), but something "
+                    "keeps replacing them. Set learning rates with group['lr'].fill_(value).")
+            state.report.add_note("the optimizer's param groups were replaced (load_state_dict); "
+                                  "the step was captured again")
+            state.train_step.release()
+            state.train_step = state.report.train_step = None
         batch, reason = merge_microbatches(microbatches, num_items_in_batch)
         if reason:
             return f"{reason.rstrip('.')}. {_SHAPE_HINT}"
