@@ -397,7 +397,8 @@ def test_bench_module_imports_without_a_gpu():
     assert bench.loss_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
     assert bench.loss_rel_diff([1.0], [1.0, 2.0]) is None
     item = bench.TokenDataset(2)[0]
-    assert item["input_ids"].shape == (bench.LENGTH,) and torch.equal(item["labels"], item["input_ids"])
+    assert item["input_ids"].shape == (bench.LENGTH,)
+    assert torch.equal(item["labels"], item["input_ids"])
     assert callable(bench.hf_trainer_step_ms) and callable(bench.hf_trainer_rows)
 
 

@@ -55,8 +55,8 @@ def logged(trainer, key):
 def run_both(tmp_path, rel=1e-4, count=None, **settings):
     accumulation = settings.get("gradient_accumulation_steps", 1)
     data = TokenData(count or 4 * accumulation * STEPS)
-    plain = transformers.Trainer(model=tiny_gpt2().cuda(), args=arguments(tmp_path / "p", **settings),
-                                 train_dataset=data)
+    plain = transformers.Trainer(model=tiny_gpt2().cuda(),
+                                 args=arguments(tmp_path / "p", **settings), train_dataset=data)
     plain.train()
     trainer = hf.GraphedTrainer(model=tiny_gpt2().cuda(),
                                 args=arguments(tmp_path / "g", **settings), train_dataset=data,

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .. import _C
 from .._C import GraphedError
 
 try:  # The one place graphed imports transformers.
@@ -828,8 +826,9 @@ class _GraphedTrainerMixin:
 
         state = self._graphed
         if len(state.eval_graphs) >= state.max_eval_graphs:
-            reason = (f"max_eval_graphs={state.max_eval_graphs} evaluation graphs exist already and "
-                      f"this batch ({describe_signature(key[-1])}) would need another; use fixed "
+            reason = (f"max_eval_graphs={state.max_eval_graphs} evaluation graphs exist already "
+                      f"and this batch ({describe_signature(key[-1])}) would need another; use "
+                      "fixed "
                       "shapes (dataloader_drop_last=True, padding='max_length') or raise "
                       "max_eval_graphs")
             state.eval_refused[key] = reason
