@@ -40,8 +40,10 @@ WORKLOADS["zoo"] = zoo.run
 # LLM decoding of Hugging Face models (issue 14)
 import hf_decode  # noqa: E402
 import hf_decode_report  # noqa: E402
+import integrations  # noqa: E402
 
 WORKLOADS["hf_decode"] = hf_decode.run
+WORKLOADS["integrations"] = integrations.run
 
 # Memory safety and state under stress (issue 13)
 import soak  # noqa: E402
@@ -71,6 +73,9 @@ def markdown(results) -> str:
             lines.append(f"### {name}\n\n| case | host us per call |\n|---|---:|")
             lines.extend(f"| {case} | {us:.2f} |" for case, us in workload["host_us"].items())
             lines.append("")
+            continue
+        if name == "integrations":
+            lines.extend(integrations.markdown(workload))
             continue
         if isinstance(workload.get("kernel_floor_ms"), dict):  # hf_decode: per batch
             lines.extend(hf_decode_report.markdown(workload))

@@ -105,6 +105,12 @@ def main(out, bench_name="h200.json"):
         if isinstance(data.get("kernel_floor_ms"), dict):
             print(f"| {workload} | see the hf_decode table | | | | | |")
             continue
+        if workload == "integrations":
+            for method, r in data["methods"].items():
+                ms = "failed" if "error" in r else f"{r['ms']:.4f}"
+                speed = r.get("speedup_vs_framework", "")
+                print(f"| {workload} | {method} | {ms} | | {speed} (x framework) | | |")
+            continue
         if "kernel_floor_ms" in data:
             print(f"| {workload} | kernel floor | {data['kernel_floor_ms']:.4f} | 1.00 | | | |")
         for method, r in data["methods"].items():
