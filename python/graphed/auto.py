@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -153,6 +153,9 @@ def _turn_cache_off_in_training(model: nn.Module) -> List[str]:
         return forward(*args, **kwargs)
 
     model_ref = weakref.ref(model)
+    # Frameworks read the forward's parameters (the HF Trainer keeps only the
+    # batch keys named there), so the wrapper shows the model's own.
+    training_forward.__signature__ = _signature_of(model.forward)  # type: ignore[attr-defined]
     model.forward = training_forward
     return [f"use_cache=False in training calls of {type(model).__name__} (unless the call sets "
             "it): a key/value cache built in every training forward is never read, and layers "
@@ -184,6 +187,7 @@ def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module):
     def forward(*args: Any, **kwargs: Any) -> Any:
         return manager.call(index, args, kwargs, module.training)
 
+    forward.__signature__ = _signature_of(module.forward)  # type: ignore[attr-defined]
     return forward
 
 
@@ -200,7 +204,16 @@ def _eager_forward(module: nn.Module):
     def forward(*args: Any, **kwargs: Any) -> Any:
         return function(module_ref(), *args, **kwargs)
 
+    forward.__signature__ = _signature_of(original)  # type: ignore[attr-defined]
     return forward
+
+
+def _signature_of(forward: Callable[..., Any]) -> Optional[inspect.Signature]:
+    """The signature callers see (a Signature holds no reference to the module)."""
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
 
 
 def _module_infos(model: nn.Module) -> List[tuple]:

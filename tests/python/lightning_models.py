@@ -136,8 +136,9 @@ class CPUGraphs(CUDAGraphs):
 
 
 class GPTModule(pl.LightningModule):
-    """A tiny Hugging Face GPT-2 from its config (no dropout, no cache, eager
-    attention: deterministic kernels), trained on its own labels."""
+    """A tiny Hugging Face GPT-2 from its config (no dropout, no cache, sdpa
+    attention: transformers' eager attention copies a host scalar into its mask
+    on every call, which no graph can hold), trained on its own labels."""
 
     def __init__(self, layers=2, width=64, heads=4, vocab=256, length=32, fused=True,
                  capturable_eager=False, seed=0):
@@ -148,7 +149,7 @@ class GPTModule(pl.LightningModule):
         config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
                             n_positions=length, resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
-                            attn_implementation="eager")
+                            attn_implementation="sdpa")
         self.model = GPT2LMHeadModel(config)
         self.optimizer_kind, self.scheduler, self.fused = "adamw", None, fused
         self.capturable_eager = capturable_eager

@@ -85,7 +85,10 @@ def test_clipping_by_norm():
     make = lambda **kw: MLPModule(fused=True, **kw)  # noqa: E731
     eager, graphed = fit_pair(make, lambda: regression_data(batches=STEPS, remainder=0),
                               gradient_clip_val=0.05)
-    report = assert_equal_fits(eager, graphed)
+    # The norm is summed in another order than torch.nn.utils.clip_grad_norm_'s
+    # (graphed's guard computes it on the device in its own kernels), so the
+    # clip coefficient can differ in the last bit.
+    report = assert_equal_fits(eager, graphed, rtol=1e-6)
     assert report["settings"]["clip_grad_norm"] == 0.05
 
 

@@ -99,3 +99,17 @@ def test_auto_hands_training_calls_use_cache_false():
     assert seen[0] is False  # the training call
     assert seen[1] is not False  # inference as the caller asked (the config's default)
     assert any("use_cache=False" in note for note in graphed.auto_stats(model)["notes"])
+
+
+def test_auto_keeps_the_forward_signatures_frameworks_read():
+    # The HF Trainer keeps only the batch keys named in model.forward's
+    # signature; a wrapper showing (*args, **kwargs) made it drop input_ids.
+    import inspect
+
+    model, _ = _gpt2()
+    before = list(inspect.signature(model.forward).parameters)
+    block_before = list(inspect.signature(model.transformer.h[0].forward).parameters)
+    graphed.auto(model)
+    assert list(inspect.signature(model.forward).parameters) == before
+    assert "input_ids" in before and "labels" in before
+    assert list(inspect.signature(model.transformer.h[0].forward).parameters) == block_before

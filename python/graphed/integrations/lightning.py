@@ -727,8 +727,9 @@ class CUDAGraphs(_Callback):
         self._eval_seen: Dict[Any, int] = {}
         self._eval_failed: set = set()
         self._eval_pool: Any = None
-        self._counts = {"graphed_steps": 0, "eager_steps": 0, "eval_replays": 0,
-                        "eval_eager": 0, "capture_s": 0.0}
+        # eval_graphs counts captures: teardown frees the graphs, the report stays.
+        self._counts = {"graphed_steps": 0, "eager_steps": 0, "eval_graphs": 0,
+                        "eval_replays": 0, "eval_eager": 0, "capture_s": 0.0}
         self._notes: List[str] = []
         self._final_stats: Dict[str, Any] = {}
 
@@ -757,7 +758,7 @@ class CUDAGraphs(_Callback):
         result: Dict[str, Any] = {
             "mode": self.mode, "active": self.active,
             "settings": dataclasses.asdict(self._settings) if self._settings else None,
-            **self._counts, "eval_graphs": len(self._eval_graphs),
+            **self._counts,
             "fallbacks": [dict(f) for f in self.fallbacks], "notes": list(self._notes)}
         if self._engine is not None and not self._final_stats:
             try:
@@ -1032,6 +1033,7 @@ class CUDAGraphs(_Callback):
             return None
         entry = (graph, recorder)
         self._eval_graphs[key] = entry
+        self._counts["eval_graphs"] += 1
         return entry
 
     # -- modules mode ---------------------------------------------------------------
