@@ -22,31 +22,10 @@ import graphed  # noqa: E402
 from graphed import GraphedError  # noqa: E402
 from graphed.integrations import transformers as hf  # noqa: E402
 from graphed.train import split_batch  # noqa: E402
+from hf_trainer_models import TokenData, tiny_gpt2  # noqa: E402
 
 
 # --- a tiny model and data --------------------------------------------------------
-
-def tiny_gpt2(seed=0):
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
-                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-class TokenData(torch.utils.data.Dataset):
-    def __init__(self, count=24, length=16, seed=1, ignore_some=False):
-        generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 64, (count, length), generator=generator)
-        self.labels = self.ids.clone()
-        if ignore_some:  # uneven label counts per batch: num_items_in_batch matters
-            self.labels[::3, : length // 2] = -100
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
-
 
 def training_args(tmp_path, **overrides):
     values = dict(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4,

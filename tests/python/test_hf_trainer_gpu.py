@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from graphed.integrations import transformers as hf  # noqa: E402
+import hf_trainer_models as models  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
@@ -17,25 +18,12 @@ STEPS = 20
 
 
 def tiny_gpt2(seed=0):
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2,
-                                     n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
+    return models.tiny_gpt2(seed, vocab=128, length=64, width=64, heads=4)
 
 
-class TokenData(torch.utils.data.Dataset):
+class TokenData(models.TokenData):
     def __init__(self, count, length=32, seed=1, ignore_some=True):
-        generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 128, (count, length), generator=generator)
-        self.labels = self.ids.clone()
-        if ignore_some:  # uneven label counts: num_items_in_batch normalization matters
-            self.labels[::3, : length // 2] = -100
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+        super().__init__(count, length, seed, ignore_some, vocab=128)
 
 
 def arguments(path, **overrides):

@@ -187,6 +187,22 @@ def _attribute_reads(fn: Callable[..., Any], names: Sequence[str]) -> List[str]:
     return sorted(found)
 
 
+def _frozen_reads(fn: Callable[..., Any], name: str) -> List[str]:
+    """Why a graph of ``fn`` (a step taking ``(batch, batch_idx)``) would be
+    wrong: it reads batch_idx, self.global_step or self.current_epoch, values a
+    graph freezes at capture. Empty when it reads none."""
+    reasons = []
+    read = _parameter_reads(fn, 1)
+    if read:
+        reasons.append(f"{name} reads its argument `{read}`, which a graph would freeze at its "
+                       "value during capture")
+    attrs = _attribute_reads(fn, ("global_step", "current_epoch"))
+    if attrs:
+        reasons.append(f"{name} reads self.{', self.'.join(attrs)}, which a graph would freeze "
+                       "at its value during capture")
+    return reasons
+
+
 def _metric_modules(module: nn.Module) -> List[str]:
     """Submodules that are torchmetrics metrics: their Python state (update
     counts, cached results) is not replayed by a graph."""
@@ -309,14 +325,7 @@ def step_conditions(trainer: Any, pl_module: Any, callback: Any = None, *,
         params = []
     if "dataloader_iter" in params:
         reasons.append("training_step takes dataloader_iter; a captured step needs the batch")
-    read = _parameter_reads(step_fn, 1)
-    if read:
-        reasons.append(f"training_step reads its argument `{read}`, which a graph would freeze at "
-                       "its value during capture")
-    attrs = _attribute_reads(step_fn, ("global_step", "current_epoch"))
-    if attrs:
-        reasons.append(f"training_step reads self.{', self.'.join(attrs)}, which a graph would "
-                       "freeze at its value during capture")
+    reasons.extend(_frozen_reads(step_fn, "training_step"))
     metrics = _metric_modules(pl_module)
     if metrics:
         reasons.append(f"the module holds torchmetrics metrics ({', '.join(metrics[:3])}): their "
@@ -959,15 +968,7 @@ class CUDAGraphs(_Callback):
         base = _lightning_base(pl_module, "LightningModule")
         if not _overridden(pl_module, base, "validation_step"):
             return
-        reasons = []
-        read = _parameter_reads(fn, 1)
-        if read:
-            reasons.append(f"validation_step reads its argument `{read}`, which a graph would "
-                           "freeze")
-        attrs = _attribute_reads(fn, ("global_step", "current_epoch"))
-        if attrs:
-            reasons.append(f"validation_step reads self.{', self.'.join(attrs)}, which a graph "
-                           "would freeze")
+        reasons = _frozen_reads(fn, "validation_step")
         if reasons:
             for reason in reasons:
                 self._fall_back("validation", reason)
