@@ -187,8 +187,11 @@ TEST_F(Nvtx, DefaultRangeIsClosed) {
   EXPECT_EQ(take_events(), Events{});
 }
 
+// The tests that capture graphs (suites named *OnGpu need a GPU).
+class NvtxOnGpu : public Nvtx {};
+
 // The ranges a capture and its calls emit: warm-up, capture, one replay per call.
-TEST_F(Nvtx, CaptureMarksWarmupCaptureAndReplayOnGpu) {
+TEST_F(NvtxOnGpu, CaptureMarksWarmupCaptureAndReplay) {
   GRAPHED_REQUIRE_GPU();
   if (!emits()) GTEST_SKIP() << kNotRecorded;
   const at::Tensor weight = at::randn({16, 16}, at::kCUDA);
@@ -210,7 +213,7 @@ TEST_F(Nvtx, CaptureMarksWarmupCaptureAndReplayOnGpu) {
   EXPECT_EQ(take_events(), Events{});
 }
 
-TEST_F(Nvtx, GraphedCallableMarksForwardAndBackwardOnGpu) {
+TEST_F(NvtxOnGpu, GraphedCallableMarksForwardAndBackward) {
   GRAPHED_REQUIRE_GPU();
   if (!emits()) GTEST_SKIP() << kNotRecorded;
   auto linear = std::make_shared<torch::nn::LinearImpl>(8, 8);
