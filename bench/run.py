@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import graphed  # noqa: E402
 import graphed.bench  # noqa: E402
+from graphed._progress import Progress  # noqa: E402
 import gpt_train  # noqa: E402
 import host_overhead  # noqa: E402
 import mlp_inference  # noqa: E402
@@ -163,7 +164,10 @@ def main() -> int:
         "workloads": {},
     }
     failed = False
+    # A bar on stderr when it is a terminal; the "bench: <name>" lines stay for logs.
+    progress = Progress(len(args.workloads), "bench", unit="workload")
     for name in args.workloads:
+        progress(name)
         print(f"bench: {name}", flush=True)
         forget_cublas_workspaces()
         try:
@@ -177,6 +181,7 @@ def main() -> int:
                              args.quick)
         with open(args.json, "w") as out:  # after each workload: a crash keeps the rest
             json.dump(results, out, indent=2)
+    progress.close()
     # Issue 13's check: every default workload ran in this one process, and none failed.
     results["one_process_all_workloads"] = (
         not failed and set(args.workloads) >= {w for w in WORKLOADS if w not in OPT_IN})

@@ -1,6 +1,7 @@
 #include "graphed/capture.h"
 
 #include "graphed/check.h"
+#include "graphed/nvtx.h"
 #include "graphed/state_snapshot.h"
 
 #include "graphed/cuda_handles.h"
@@ -117,6 +118,8 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
     no_grad.emplace();
   }
 
+  const std::string subject = nvtx_subject(options.description);
+  captured.replay_range_ = nvtx_range_name(NvtxPhase::kReplay, subject);
   // Warm-up and capture must change nothing the caller can see (Invariant 1).
   const StateSnapshot snapshot = StateSnapshot::take(options.state, device);
   captured.inputs_ = StaticInputs(std::vector<c10::IValue>(sample.begin(), sample.end()));
@@ -128,6 +131,7 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
       // Warm up on the stream that will capture: see Note [One capture stream per device].
       stream_wait(stream.stream(), caller.stream());
       c10::cuda::CUDAStreamGuard on_capture_stream(stream);
+      const NvtxRange range(NvtxPhase::kWarmup, subject);
       captured.inputs_.start_mutation_watch();
       for (int i = 0; i < options.warmup_iters; ++i) {
         (void)function(captured.inputs_.tree());
@@ -142,7 +146,11 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
     graph_options.pool = options.pool;
     graph_options.error_mode = options.error_mode;
     graph_options.description = options.description;
-    captured.graph_.capture([&] { output = function(captured.inputs_.tree()); }, graph_options);
+    {
+      const NvtxRange range(NvtxPhase::kCapture, subject);
+      captured.graph_.capture([&] { output = function(captured.inputs_.tree()); },
+                              graph_options);
+    }
     captured.outputs_ = StaticOutputs(std::move(output));
     check_outputs(captured.outputs_, options.description);
     if (options.input_update != InputUpdate::kCopy) {
@@ -269,6 +277,8 @@ void CapturedFunction::bring_inputs() {
 }
 
 c10::IValue CapturedFunction::operator()(const std::vector<c10::IValue>& call_inputs) {
+  // The whole call: graphed's checks and copies are part of what it costs.
+  const NvtxRange range(replay_range_);
   std::vector<c10::IValue> with_guards;
   const std::vector<c10::IValue>* inputs = &call_inputs;
   if (!options_.guards.empty()) {

@@ -3,6 +3,7 @@
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
 #include "graphed/memory_budget.h"
+#include "graphed/nvtx.h"
 #include "graphed/state_snapshot.h"
 
 #include <ATen/ATen.h>
@@ -19,6 +20,9 @@ namespace graphed {
 struct Decoder::Bucket {
   int64_t batch = 0;
   Graph graph;
+  // "graphed/replay:decode batch <batch>", built once (Note [NVTX ranges cost
+  // nothing without a profiler]).
+  std::string replay_range;
   BucketReport report;
   uint64_t last_used = 0;
 };
@@ -283,6 +287,7 @@ void Decoder::decode_step(const DecodeInputs& inputs, DecodeState& state) {
 
 void Decoder::run_step(Bucket& bucket) {
   if (options_.use_graphs) {
+    const NvtxRange range(bucket.replay_range);
     bucket.graph.replay();
   } else {
     DecodeState state = state_for(bucket.batch);
@@ -305,6 +310,8 @@ void Decoder::capture_bucket(Bucket& bucket) {
   const DecodeInputs inputs = inputs_for(batch);
   DecodeState state = state_for(batch);
   const auto body = [&] { decode_step(inputs, state); };
+  const std::string subject = c10::str("decode batch ", batch);
+  bucket.replay_range = nvtx_range_name(NvtxPhase::kReplay, subject);
   const int64_t pool_before = pool_ ? pool_memory(*pool_, device_.index()).reserved_bytes : 0;
   const StateSnapshot random_state = StateSnapshot::take({}, device_);
   try {
@@ -314,6 +321,7 @@ void Decoder::capture_bucket(Bucket& bucket) {
       // Warm up on the stream that will capture: Note [One capture stream per device].
       stream_wait(stream.stream(), caller.stream());
       c10::cuda::CUDAStreamGuard on_capture_stream(stream);
+      const NvtxRange range(NvtxPhase::kWarmup, subject);
       for (int i = 0; i < options_.warmup_iters; ++i) {
         body();
       }
@@ -326,7 +334,10 @@ void Decoder::capture_bucket(Bucket& bucket) {
     graph_options.error_mode = options_.error_mode;
     graph_options.description = c10::str("the decode step for batch bucket ", batch);
     Graph graph;
-    graph.capture(body, graph_options);
+    {
+      const NvtxRange range(NvtxPhase::kCapture, subject);
+      graph.capture(body, graph_options);
+    }
     bucket.graph = std::move(graph);
   } catch (...) {
     random_state.restore();
@@ -381,14 +392,18 @@ void Decoder::ensure_captured(Bucket& bucket) {
   evict_over_budget(bucket.batch);
 }
 
-void Decoder::capture_all() {
+void Decoder::capture_all(const BucketCaptured& on_captured) {
   if (!options_.use_graphs) {
     return;
   }
   c10::cuda::CUDAGuard guard(device_);
   // Largest first, so that smaller graphs reuse the largest one's memory.
+  size_t done = 0;
   for (auto it = graphs_.rbegin(); it != graphs_.rend(); ++it) {
     ensure_captured(*it->second);
+    if (on_captured) {
+      on_captured(it->second->batch, ++done, graphs_.size());
+    }
   }
 }
 

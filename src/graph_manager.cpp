@@ -1,6 +1,7 @@
 #include "graphed/graph_manager.h"
 
 #include "graphed/check.h"
+#include "graphed/nvtx.h"
 #include "graphed/safety_check.h"
 #include "graphed/state_snapshot.h"
 #include "graphed/static_io.h"
@@ -104,6 +105,8 @@ struct GraphManager::Module {
   std::optional<std::string> blocked;
   std::vector<std::unique_ptr<Slot>> slots;  // most recently used first
   std::string description;
+  // The subject of its NVTX warm-up ranges, "layers.0 (Block)".
+  std::string nvtx_subject;
   // The inputs of its last warm-up call in training mode, until a training
   // group is planned (Note [Training graphs captured together]).
   std::optional<std::vector<c10::IValue>> training_sample;
@@ -145,6 +148,7 @@ size_t GraphManager::add_module(ModuleSpec spec) {
   auto module = std::make_unique<Module>();
   module->index = modules_.size();
   module->description = c10::str("module `", shown(spec.name), "` (", spec.type, ")");
+  module->nvtx_subject = nvtx_subject(module->description);
   module->spec = std::move(spec);
   modules_.push_back(std::move(module));
   return modules_.size() - 1;
@@ -343,8 +347,16 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
   const BucketPlan wanted = plan.at_buckets();
   if (targets.empty()) targets.push_back(wanted);
 
+  // Progress of a capture ahead (GraphManagerOptions::on_capture_ahead).
+  size_t done = 0;
+  const auto report = [&] {
+    if (options_.on_capture_ahead && targets.size() > 1) {
+      options_.on_capture_ahead(module.spec.name, done, targets.size());
+    }
+  };
   Slot* result = nullptr;
   for (const BucketPlan& target : targets) {
+    ++done;
     // `key_plan` keys the call's inputs as if they came at `target`'s sizes.
     std::vector<BucketedDim> key_dims = plan.dims();
     for (size_t i = 0; i < key_dims.size(); ++i) key_dims[i].padded = target.dims()[i].padded;
@@ -381,7 +393,10 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
       throw;  // The module cannot be captured: call_locked blocks it.
     } catch (const Error& error) {
       --depth_;
-      if (!is_wanted) continue;  // Capture-ahead is best effort.
+      if (!is_wanted) {
+        report();
+        continue;  // Capture-ahead is best effort.
+      }
       slot->failure = first_line(error.what_without_backtrace());
     } catch (...) {
       --depth_;
@@ -402,6 +417,7 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
     }
     Slot* raw = slot.get();
     slots_by_id_[slot->id] = raw;
+    report();
     if (is_wanted) {
       module.slots.insert(module.slots.begin(), std::move(slot));
       result = raw;
@@ -417,6 +433,10 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
         break;
       }
     }
+  }
+  if (done < targets.size()) {
+    done = targets.size();
+    report();
   }
   GRAPHED_INTERNAL_ASSERT(result != nullptr, "the wanted bucket was not captured");
   if (result->entry) {
@@ -621,7 +641,11 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     if (last && follows_tensors) {
       module.tensors = TensorIdentities(read_module_tensors(module.spec));
     }
-    c10::IValue output = run_warmup(module, inputs, last);
+    c10::IValue output;
+    {
+      const NvtxRange range(NvtxPhase::kWarmup, module.nvtx_subject);
+      output = run_warmup(module, inputs, last);
+    }
     if (last && mode == CallMode::kTraining && !module.blocked && factories_.training &&
         factories_.training_group) {
       record_training_call(module, inputs, output);

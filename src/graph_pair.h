@@ -64,6 +64,11 @@ struct GraphPair {
   size_t index = 0;  // in the schedule
   size_t microbatch = 0;
   std::string description;
+  // The subject of its NVTX ranges and the names of its replay ranges, built
+  // once (Note [NVTX ranges cost nothing without a profiler]).
+  std::string nvtx_subject;
+  std::string forward_range;
+  std::string backward_range;
   Signature signature;
   std::shared_ptr<InputBuffers> inputs;
   std::vector<c10::IValue> input_tree;  // the sample, tensors replaced by buffers

@@ -4,6 +4,7 @@
 #include "graph_pair.h"
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
+#include "graphed/nvtx.h"
 #include "graphed/state_snapshot.h"
 #include "graphed/static_io.h"
 
@@ -150,6 +151,7 @@ class GraphedBackward final : public torch::autograd::Node {
     }
     {
       c10::NoGradGuard no_grad;
+      const NvtxRange range(pair.backward_range);
       for (size_t i = 0; i < pair.grad_outputs.size(); ++i) {
         at::Tensor& destination = pair.grad_outputs[i];
         const at::Tensor& grad = i < grads.size() ? grads[i] : at::Tensor();
@@ -329,6 +331,8 @@ c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
   c10::cuda::CUDAGuard device_guard(shared.device);
   {
     c10::NoGradGuard no_grad;
+    // The input copies belong to the replay's cost.
+    const NvtxRange range(pair.forward_range);
     // See Note [Inputs that alias other static buffers]; scratch_ keeps the
     // caller's tensors, whose autograd history the backward edges need.
     std::vector<at::Tensor> unaliased;
@@ -429,6 +433,9 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
                             ? c10::str(callable.description, " (microbatch ",
                                        pair->microbatch, ")")
                             : callable.description;
+    pair->nvtx_subject = nvtx_subject(pair->description);
+    pair->forward_range = nvtx_range_name(NvtxPhase::kReplay, pair->nvtx_subject + " forward");
+    pair->backward_range = nvtx_range_name(NvtxPhase::kReplay, pair->nvtx_subject + " backward");
     std::vector<std::string> names = options.input_names;
     if (names.empty()) {
       for (size_t i = 0; i < samples[p].size(); ++i) {
@@ -527,6 +534,7 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
         }
         GraphPair& pair = *pairs[pass.pair];
         const GraphableCallable& callable = callables[schedule.callable_of(pass.pair)];
+        const NvtxRange range(NvtxPhase::kWarmup, pair.nvtx_subject);
         for (int i = 0; i < options.warmup_iters; ++i) {
           detail::run_eagerly_once(callable, pair, options.allow_unused_input);
         }
@@ -539,6 +547,8 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
       const GraphableCallable& callable = callables[schedule.callable_of(pass.pair)];
       graph_options.description = c10::str(pass.forward ? "the forward of " : "the backward of ",
                                            pair.description);
+      const NvtxRange range(NvtxPhase::kCapture,
+                            pair.nvtx_subject + (pass.forward ? " forward" : " backward"));
       if (pass.forward) {
         detail::capture_forward(callable, pair, graph_options);
       } else {

@@ -156,6 +156,8 @@ class CapturedFunction {
   Graph graph_;
   CapturedFunctionStats stats_;
   std::vector<at::Tensor> scratch_;
+  // The NVTX range of a call, "graphed/replay:<name>" (include/graphed/nvtx.h).
+  std::string replay_range_;
   // Note [Tensors a graph reads in place].
   TensorIdentities state_identity_;
   TensorIdentities parameter_identity_;

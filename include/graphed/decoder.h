@@ -258,9 +258,14 @@ class Decoder {
   /// Releases this decoder's graphs, then takes `other`'s.
   Decoder& operator=(Decoder&& other) noexcept;
 
+  /// Called by capture_all() after each bucket: its batch size, the buckets
+  /// done so far and their number (for progress bars).
+  using BucketCaptured = std::function<void(int64_t batch, size_t done, size_t total)>;
+
   /// Captures every bucket's graph, largest first, into the shared pool
-  /// (nothing when use_graphs is false). Leaves the cache empty.
-  void capture_all();
+  /// (nothing when use_graphs is false), calling `on_captured` (when set)
+  /// after each. Leaves the cache empty.
+  void capture_all(const BucketCaptured& on_captured = {});
 
   /// Checks a request against the limits without doing any work: batch <=
   /// max_batch, prompt_len >= 1, max_new_tokens >= 1, prompt_len +

@@ -22,6 +22,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -72,6 +73,11 @@ struct GraphManagerOptions {
   /// previous call's did (the previous layer's graph output) is re-pointed
   /// once instead of copied on every call; see Note [Re-pointing a graph].
   InputUpdate input_update = InputUpdate::kAuto;
+  /// Called after each graph of a module's first capture that captures
+  /// several buckets ahead (max_capture_ahead): the module's name, the
+  /// graphs done and their number; a last call reports done == total when
+  /// the budget stopped the captures early. For progress bars; unset: none.
+  std::function<void(const std::string& module, size_t done, size_t total)> on_capture_ahead;
 };
 
 /// Counters of one managed module.

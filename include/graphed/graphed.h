@@ -21,6 +21,7 @@
 #include "graphed/graph_manager.h"
 #include "graphed/memory_budget.h"
 #include "graphed/module_selection.h"
+#include "graphed/nvtx.h"
 #include "graphed/operator_rules.h"
 #include "graphed/optim.h"
 #include "graphed/profile.h"

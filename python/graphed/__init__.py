@@ -8,12 +8,20 @@ code can be captured, captures it, and verifies the result.
     print(graphed.check(model, x))     # what would break capture, with source lines
     fast = graphed.capture(model, x)   # warm up, capture
     y = fast(x)                        # replay on the current stream
+
+graphed logs to the ``graphed`` logger (quiet by default: it has a
+NullHandler); ``logging.getLogger("graphed").setLevel(logging.DEBUG)`` with a
+handler (``logging.basicConfig()``) shows what it captures and decides.
 """
 
+import logging as _logging
 import os as _os
 import sysconfig as _sysconfig
 
 import torch as _torch  # loads libtorch before the extension that links it
+
+# A library stays quiet unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 from . import _C
 from ._C import (
@@ -33,8 +41,21 @@ from .generate import Decoder, generate
 from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
 from . import distributed
+from .nvtx import nvtx_enabled, set_nvtx
 
 __version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """What this installation of graphed is: ``version``, the ``torch`` and
+    ``cuda`` (toolkit) versions its C++ core was built with, whether it emits
+    NVTX ranges (``nvtx``), and the torch found at run time
+    (``runtime_torch``, ``runtime_cuda``: torch.version.cuda)."""
+    info = dict(_C.build_info())
+    info["runtime_torch"] = _torch.__version__
+    info["runtime_cuda"] = _torch.version.cuda
+    return info
+
 
 #: Pass to CMake (CMAKE_PREFIX_PATH) so that find_package(graphed) finds the
 #: C++ library installed with this package.
@@ -73,6 +94,9 @@ __all__ = [
     "distributed",
     "graph_pool_handle",
     "make_capturable",
+    "build_info",
+    "nvtx_enabled",
+    "set_nvtx",
 ]
 
 # graphed.advise and graphed.optimize (issue 5).

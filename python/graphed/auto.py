@@ -8,6 +8,7 @@ and formats ``stats()``.
 from __future__ import annotations
 
 import inspect
+import logging
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
@@ -15,6 +16,9 @@ import torch
 from torch import nn
 
 from . import _C
+from ._progress import CaptureProgress
+
+logger = logging.getLogger(__name__)
 
 ModuleChoice = Union[str, type]
 
@@ -114,6 +118,8 @@ def auto(
         max_capture_ahead=64,
         capture_error_mode=capture_error_mode,
         input_update=input_update,
+        # A module's first capture with buckets captures every size ahead.
+        on_capture_ahead=CaptureProgress("graphed.auto: capturing") if buckets else None,
     )
     for name in names:
         module = model.get_submodule(name)
@@ -130,7 +136,12 @@ def auto(
         )
         module.forward = _managed_forward(manager, index, module)
     object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
-    object.__setattr__(model, _NOTES_ATTRIBUTE, _turn_cache_off_in_training(model))
+    notes = _turn_cache_off_in_training(model)
+    object.__setattr__(model, _NOTES_ATTRIBUTE, notes)
+    logger.debug("auto: %s graphs %d module(s): %s", type(model).__name__, len(names),
+                 ", ".join(name or "<root>" for name in names))
+    for note in notes:
+        logger.info("auto: %s", note)
     model.__class__ = _graphed_class(type(model))
     return model
 

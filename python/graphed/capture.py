@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from . import _C
 
 PoolHandle = Tuple[int, int]
+
+logger = logging.getLogger(__name__)
 
 
 def graph_pool_handle() -> PoolHandle:
@@ -102,7 +105,7 @@ def capture(
         # replaced or moved (Note [Tensors a graph reads in place]).
         submodules = list(module.modules())
         tensor_dicts = [m._parameters for m in submodules] + [m._buffers for m in submodules]
-    return _C.capture(
+    captured = _C.capture(
         fn,
         tuple(sample_args),
         dict(sample_kwargs or {}),
@@ -116,3 +119,8 @@ def capture(
         input_update,
         tensor_dicts,
     )
+    if logger.isEnabledFor(logging.DEBUG):
+        stats = captured.stats()
+        logger.debug("captured %s: %d kernels, warm-up %.1f ms, capture %.1f ms",
+                     _describe(fn), stats["kernels"], stats["warmup_ms"], stats["capture_ms"])
+    return captured

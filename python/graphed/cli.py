@@ -9,12 +9,46 @@ import sys
 import traceback
 from typing import List, Optional, TextIO
 
+from ._progress import Progress
+
+
+def version_text() -> str:
+    """What ``graphed --version`` prints: graphed's version, the torch and CUDA
+    its C++ core was built with, and the torch it runs with."""
+    import platform
+
+    import graphed
+
+    info = graphed.build_info()
+    nvtx = "on" if graphed.nvtx_enabled() else "off" if info["nvtx"] else "not built in"
+    return "\n".join([
+        f"graphed {info['version']}",
+        f"  built with torch {info['torch']}, CUDA {info['cuda']}; NVTX ranges {nvtx}",
+        f"  running on torch {info['runtime_torch']} (CUDA {info['runtime_cuda'] or 'none'}), "
+        f"Python {platform.python_version()}",
+    ])
+
+
+class _VersionAction(argparse.Action):
+    """--version: prints version_text() and exits."""
+
+    def __init__(self, option_strings: List[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: Optional[str] = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        print(version_text())
+        parser.exit()
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphed",
         description="CUDA Graphs for PyTorch: check, advise, apply, verify.",
     )
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print graphed's version, the torch and CUDA it was built with and "
+                             "the torch it runs with, then exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
         "demo",
@@ -84,43 +118,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Progress:
-    """A progress bar on stderr for the stages of a long command: tqdm's when
-    installed, else one line per stage with the time since the start."""
-
-    def __init__(self, stages: int, err: TextIO, label: str) -> None:
-        import time
-
-        self._time = time.perf_counter
-        self._started = self._time()
-        self._err = err
-        self._label = label
-        self._stages = stages
-        self._done = 0
-        try:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=stages, desc=label, file=err, leave=False)
-        except ImportError:
-            self._bar = None
-
-    def __call__(self, stage: str) -> None:
-        if self._bar is not None:
-            if self._done:
-                self._bar.update(1)
-            self._bar.set_postfix_str(stage)
-        else:
-            filled = int(20 * self._done / max(self._stages, 1))
-            print(f"{self._label} [{'#' * filled}{'.' * (20 - filled)}] {stage} "
-                  f"({self._time() - self._started:.1f}s)", file=self._err, flush=True)
-        self._done += 1
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.update(self._bar.total - self._bar.n)
-            self._bar.close()
-
-
 def _load(command: str, spec: str, err: TextIO):
     from .factory import FactoryError, load_any_workload
 
@@ -161,7 +158,7 @@ def _run_advise(spec: str, as_json: bool, plot: Optional[str], out: TextIO, err:
         return 2
     from .advise import advise, advise_training
 
-    progress = _Progress(2, err, "graphed advise")
+    progress = Progress(2, "graphed advise", file=err)
     try:
         progress("check and profile")
         if isinstance(workload, TrainingWorkload):
@@ -209,7 +206,7 @@ def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
         return 2
     from .optimize import optimize
 
-    progress = _Progress(6, err, "graphed optimize")
+    progress = Progress(6, "graphed optimize", file=err)
     if isinstance(workload, TrainingWorkload):
         report = optimize(workload.model, workload.optimizer, workload.loss_fn,
                           sample_batch=workload.batch, progress=progress)
@@ -246,7 +243,7 @@ def _run_bench(names: List[str], json_path: Optional[str], plot_dir: Optional[st
     if plot_dir:
         os.makedirs(plot_dir, exist_ok=True)
     names = names or list(bench.GRAPHED_METHOD)
-    progress = _Progress(len(names), err, "graphed bench")
+    progress = Progress(len(names), "graphed bench", file=err)
     results = bench.run(names, plot_dir=plot_dir, quick=quick, progress=progress)
     progress.close()
     if json_path:

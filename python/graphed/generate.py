@@ -10,11 +10,15 @@ only here, and only when a model is adapted.
 """
 
 import copy
+import logging
 import weakref
 
 import torch
 
 from . import _C
+from ._progress import Progress
+
+logger = logging.getLogger(__name__)
 
 #: Arguments of ``model.generate`` that graphed.generate takes.
 SUPPORTED_ARGUMENTS = (
@@ -238,9 +242,18 @@ class Decoder:
         return self._adapter[0].cache
 
     def capture(self):
-        """Captures every bucket's graph now (generate() captures a bucket on first use)."""
-        with torch.no_grad():
-            self._core.capture_all()
+        """Captures every bucket's graph now (generate() captures a bucket on first use).
+        A progress bar shows on stderr while it takes (see graphed._progress)."""
+        with Progress(len(self._core.buckets), "graphed.Decoder: capturing", unit="bucket",
+                      delay=0.5) as bar:
+
+            def captured(batch, done, total):
+                bar.update(1, status=f"batch {batch}")
+                logger.debug("Decoder: captured the decode step for batch bucket %d (%d of %d)",
+                             batch, done, total)
+
+            with torch.no_grad():
+                self._core.capture_all(captured)
 
     @property
     def max_batch(self):

@@ -9,6 +9,7 @@ never aliases of the graphs' memory.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -16,6 +17,8 @@ import torch
 from . import _C, distributed
 
 PoolHandle = Tuple[int, int]
+
+logger = logging.getLogger(__name__)
 
 
 def _describe(fn: Callable[..., Any]) -> str:
@@ -205,6 +208,8 @@ def make_graphed_callables(
         [int(entry) for entry in (order or [])],
         capture_error_mode,
     )
+    logger.debug("make_graphed_callables: captured %d callable(s) (%s), %d microbatch sample(s)",
+                 len(callables), ", ".join(_describe(fn) for fn in callables), len(samples_args))
     results = []
     for fn, core in zip(callables, graphed):
         if isinstance(fn, torch.nn.Module):

@@ -6,14 +6,15 @@ and the report says why."""
 from __future__ import annotations
 
 import json
+import logging
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from . import _C, measure
+from . import _C, _progress, measure
 from ._C import GraphedError
 from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
@@ -22,6 +23,8 @@ from .capture import capture
 from .train import TrainStep, batch_loss, check_batch_form, training_state
 
 Progress = Callable[[str], None]
+
+logger = logging.getLogger(__name__)
 
 
 class _Rejected(Exception):
@@ -289,11 +292,23 @@ def _no_progress(stage: str) -> None:
     return None
 
 
+class _LoggedStages:
+    """Calls ``progress(stage)`` and logs each stage at DEBUG."""
+
+    def __init__(self, progress: Progress, what: str) -> None:
+        self._progress = progress
+        self._what = what
+
+    def __call__(self, stage: str) -> None:
+        logger.debug("optimize %s: %s", self._what, stage)
+        self._progress(stage)
+
+
 def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
              loss_fn: Optional[Callable[..., torch.Tensor]] = None, *, sample_batch: Any,
              rtol: float = 1e-3, atol: float = 1e-4, verify_steps: int = 3,
              force: bool = False, settings: Optional[ProfileSettings] = None,
-             progress: Optional[Progress] = None) -> OptimizeReport:
+             progress: Union[Progress, bool, None] = None) -> OptimizeReport:
     """Make ``model`` (or a training step of it) run as CUDA graphs, if that pays.
 
     Inference form, ``optimize(model, sample_batch=x)``: ``model`` is a module or
@@ -325,19 +340,44 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     capturable and each ``.grad`` is the graph's buffer (see TrainStep); the
     weights and optimizer state are those you passed in.
 
-    ``progress(stage)`` is called as each stage starts.
+    ``progress``: by default (None) a progress bar of the stages is drawn on
+    stderr when it is a terminal (tqdm's or rich's when installed; never with
+    ``GRAPHED_PROGRESS=0``); False draws none; a callable is called as
+    ``progress(stage)`` as each stage starts instead. The stages and the
+    outcome are also logged to the ``graphed.optimize`` logger.
     """
-    progress = progress or _no_progress
     settings = settings or ProfileSettings()
-    if optimizer is None:
-        return _optimize_inference(model, sample_batch, rtol, atol, force, settings, progress)
-    if not isinstance(model, nn.Module):
-        raise GraphedError(
-            "The training form is optimize(model, optimizer, loss_fn, sample_batch=(inputs, "
-            f"targets)) with an nn.Module model; got model {type(model).__name__}.")
-    check_batch_form(sample_batch, loss_fn)
-    return _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol, verify_steps,
-                              force, settings, progress)
+    if optimizer is not None:
+        if not isinstance(model, nn.Module):
+            raise GraphedError(
+                "The training form is optimize(model, optimizer, loss_fn, sample_batch=(inputs, "
+                f"targets)) with an nn.Module model; got model {type(model).__name__}.")
+        check_batch_form(sample_batch, loss_fn)
+    bar: Optional[_progress.Progress] = None
+    if progress is None or progress is True:
+        bar = _progress.Progress(4 if optimizer is None else 5, "graphed.optimize",
+                                 show=True if progress is True else None)
+        progress = bar
+    elif progress is False:
+        progress = _no_progress
+    elif not callable(progress):
+        raise TypeError(f"progress must be None, a bool or a callable, got "
+                        f"{type(progress).__name__}")
+    stages = _LoggedStages(progress, "inference" if optimizer is None else "training step")
+    try:
+        if optimizer is None:
+            report = _optimize_inference(model, sample_batch, rtol, atol, force, settings, stages)
+        else:
+            report = _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol,
+                                        verify_steps, force, settings, stages)
+    finally:
+        if bar is not None:
+            bar.close()
+    if report.applied:
+        logger.info("optimize %s: applied %s", report.description, report.reason)
+    else:
+        logger.info("optimize %s: not applied: %s", report.description, report.reason)
+    return report
 
 
 def _fail(report: OptimizeReport, error: BaseException) -> None:

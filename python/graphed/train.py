@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -17,6 +18,8 @@ from torch import nn
 
 from . import _C, distributed
 from ._C import GraphedError
+
+logger = logging.getLogger(__name__)
 
 _FUSED_KINDS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -442,6 +445,8 @@ class TrainStep:
                                   None if pool is None else tuple(pool), capture_error_mode,
                                   tensors, clone_loss, _describe(step_fn), hooked,
                                   tensor_dicts=tensor_dicts)
+        logger.debug("TrainStep: captured %s (%d tensors of training state)",
+                     _describe(step_fn), len(tensors))
         if hooked is not None:
             distributed.register(self)
         _reset_lazy_state(self.optimizers, known)

@@ -144,6 +144,7 @@ py::tuple profile_python(py::object iteration, int warmup, int timed_iters, int 
   const std::function<void()> call = wrap_procedure(std::move(iteration));
   Profile result;
   {
+    const WarningsToPython warnings;
     py::gil_scoped_release no_gil;
     result = profile(call, options);
   }
@@ -154,6 +155,7 @@ py::dict record_trace_python(py::object iteration, int iterations) {
   const std::function<void()> call = wrap_procedure(std::move(iteration));
   Trace trace;
   {
+    const WarningsToPython warnings;
     py::gil_scoped_release no_gil;
     trace = record_trace(call, iterations);
   }
@@ -162,6 +164,7 @@ py::dict record_trace_python(py::object iteration, int iterations) {
 
 double time_ms_python(py::object fn, int iters, int repeats, int warmup) {
   const std::function<void()> call = wrap_procedure(std::move(fn));
+  const WarningsToPython warnings;
   py::gil_scoped_release no_gil;
   return time_ms(call, iters, repeats, warmup);
 }
@@ -207,6 +210,7 @@ void register_advice(py::module_& m) {
       [](int device) {
         ReplayCost cost;
         {
+          const WarningsToPython warnings;
           py::gil_scoped_release no_gil;
           cost = replay_cost(static_cast<c10::DeviceIndex>(device));
         }
@@ -218,6 +222,7 @@ void register_advice(py::module_& m) {
       [](int device, int64_t small_nodes, int64_t large_nodes) {
         ReplayCost cost;
         {
+          const WarningsToPython warnings;
           py::gil_scoped_release no_gil;
           cost = measure_replay_cost(static_cast<c10::DeviceIndex>(device), small_nodes,
                                      large_nodes);

@@ -16,7 +16,8 @@ std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets
                                            const std::string& fallback, bool check_blockers,
                                            int capture_warmup, int max_capture_ahead,
                                            const std::string& capture_error_mode,
-                                           const std::string& input_update) {
+                                           const std::string& input_update,
+                                           const py::object& on_capture_ahead) {
   GraphManagerOptions options;
   options.warmup = warmup;
   if (!buckets.is_none()) {
@@ -30,6 +31,13 @@ std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets
   options.max_capture_ahead = max_capture_ahead;
   options.error_mode = parse_capture_error_mode(capture_error_mode);
   options.input_update = parse_input_update(input_update);
+  if (!on_capture_ahead.is_none()) {
+    std::shared_ptr<py::object> held = share_object(on_capture_ahead);
+    options.on_capture_ahead = [held](const std::string& module, size_t done, size_t total) {
+      py::gil_scoped_acquire gil;
+      (*held)(module, done, total);
+    };
+  }
   GraphEntryFactories factories;
   factories.training = make_training_entry;
   factories.training_group = make_training_group;
@@ -133,7 +141,8 @@ void register_auto(py::module_& m) {
       .def(py::init(&make_manager), py::arg("warmup"), py::arg("buckets"),
            py::arg("memory_budget"), py::arg("fallback"), py::arg("check_blockers"),
            py::arg("capture_warmup"), py::arg("max_capture_ahead"),
-           py::arg("capture_error_mode"), py::arg("input_update"))
+           py::arg("capture_error_mode"), py::arg("input_update"),
+           py::arg("on_capture_ahead") = py::none())
       .def(
           "add_module",
           [](GraphManager& self, std::string name, std::string type, py::object forward,
@@ -162,6 +171,7 @@ void register_auto(py::module_& m) {
                                                   c10::IValue(training)};
             c10::IValue outputs;
             {
+              const WarningsToPython warnings;
               py::gil_scoped_release no_gil;
               outputs = self.call(index, inputs);
             }

@@ -64,6 +64,7 @@ SafetyReport check_python(py::object run_once, std::vector<at::Tensor> state,
   options.state = std::move(state);
   options.description = std::move(description);
   const std::function<void()> call = wrap_procedure(std::move(run_once));
+  const WarningsToPython warnings;
   py::gil_scoped_release no_gil;
   return check_safety(call, options);
 }
@@ -195,6 +196,7 @@ void register_safety_check(py::module_& m) {
           {
             py::gil_scoped_acquire gil;
             (*held)(py::cpp_function([&pass, &failure] {
+              const WarningsToPython warnings;
               py::gil_scoped_release no_gil;
               try {
                 pass();

@@ -95,7 +95,24 @@ void register_decoder(py::module_& m) {
            py::arg("min_tokens_to_keep"), py::arg("eos_token_ids"), py::arg("pad_token_id"),
            py::arg("check_every"), py::arg("memory_budget"), py::arg("warmup"),
            py::arg("use_graphs"), py::arg("capture_error_mode"), py::arg("device"))
-      .def("capture_all", &Decoder::capture_all, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "capture_all",
+          [](Decoder& self, const py::object& on_captured) {
+            Decoder::BucketCaptured callback;
+            if (!on_captured.is_none()) {
+              std::shared_ptr<py::object> held = share_object(on_captured);
+              callback = [held](int64_t batch, size_t done, size_t total) {
+                py::gil_scoped_acquire gil;
+                (*held)(batch, done, total);
+              };
+            }
+            const WarningsToPython warnings;
+            py::gil_scoped_release no_gil;
+            self.capture_all(callback);
+          },
+          py::arg("on_captured") = py::none(),
+          "Captures every bucket, largest first; calls on_captured(batch, done, total) after "
+          "each.")
       .def("check_request", &Decoder::check_request, py::arg("batch"), py::arg("prompt_len"),
            py::arg("max_new_tokens"), py::arg("min_new_tokens"))
       .def(
@@ -105,6 +122,7 @@ void register_decoder(py::module_& m) {
             const TokenCallback on_token = wrap_token_callback(callback);
             DecodeResult result;
             {
+              const WarningsToPython warnings;
               py::gil_scoped_release no_gil;
               result = self.generate(input_ids, mask.value_or(at::Tensor()), max_new_tokens,
                                      min_new_tokens, on_token);

@@ -42,6 +42,7 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables_python(
   options.order = std::move(order);
   options.error_mode = parse_capture_error_mode(capture_error_mode);
   options.input_names = {"args", "kwargs"};
+  const WarningsToPython warnings;
   py::gil_scoped_release no_gil;
   return make_graphed_callables(std::move(graphables), std::move(sample_values),
                                 std::move(options));

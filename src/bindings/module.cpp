@@ -87,6 +87,7 @@ std::shared_ptr<CapturedFunction> capture_python(
   options.description = std::move(description);
   std::vector<c10::IValue> sample{to_ivalue(args), to_ivalue(kwargs)};
   CapturableFunction call = wrap_call(std::move(function));
+  const WarningsToPython warnings;
   py::gil_scoped_release no_gil;
   return std::make_shared<CapturedFunction>(
       capture(std::move(call), std::move(sample), std::move(options)));
@@ -96,6 +97,7 @@ py::object call_captured(CapturedFunction& self, const py::args& args, const py:
   const std::vector<c10::IValue> inputs{to_ivalue(args), to_ivalue(kwargs)};
   c10::IValue outputs;
   {
+    const WarningsToPython warnings;
     py::gil_scoped_release no_gil;
     outputs = self(inputs);
   }
@@ -120,6 +122,23 @@ PYBIND11_MODULE(_C, m) {
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");
   m.def("cuda_device_count", [] { return static_cast<int>(c10::cuda::device_count()); });
+  m.def(
+      "build_info",
+      [] {
+        py::dict info;
+        info["version"] = GRAPHED_VERSION_STRING;
+        info["torch"] = GRAPHED_BUILT_WITH_TORCH;
+        info["cuda"] = GRAPHED_BUILT_WITH_CUDA;
+        info["nvtx"] = nvtx_available();
+        return info;
+      },
+      "What this build of graphed is: its version, the torch and CUDA toolkit versions it was "
+      "built with, and whether it emits NVTX ranges.");
+  m.def("set_nvtx", &set_nvtx_enabled, py::arg("enabled"),
+        "Switches graphed's NVTX ranges on or off for the process; returns the previous "
+        "setting.");
+  m.def("nvtx_enabled", &nvtx_enabled,
+        "True when graphed emits NVTX ranges (built with NVTX and switched on).");
   m.def(
       "_convert", [](py::handle value) { return to_python(to_ivalue(value)); }, py::arg("value"),
       "`value` converted to the core's form and back, as every call's inputs and outputs are "

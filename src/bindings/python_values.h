@@ -8,8 +8,10 @@
 #include "graphed/capture.h"
 #include "graphed/source_location.h"
 
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <exception>
 #include <functional>
 #include <string>
 #include <vector>
@@ -17,6 +19,36 @@
 namespace graphed::python {
 
 namespace py = pybind11;
+
+// Note [Warnings of the core reach Python]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The core warns with TORCH_WARN (cleanup that failed after another failure,
+// an operator the safety check could not inspect). c10 hands a warning to
+// the calling thread's warning handler; torch's own bindings install
+// torch::PyWarningHandler around each call, which turns the warnings into
+// Python warnings when the call returns, but plain pybind11 functions get
+// c10's default handler, which prints to stderr where Python's `warnings`
+// filters (and pytest) never see it. So every binding that enters the core
+// with the GIL released holds a WarningsToPython over the call: warnings are
+// buffered while the core runs and issued as Python warnings (UserWarning)
+// once the GIL is back. When the call fails, the warnings are issued and the
+// exception goes on (torch's handler must then not raise itself).
+class WarningsToPython {
+ public:
+  WarningsToPython() = default;
+  WarningsToPython(const WarningsToPython&) = delete;
+  WarningsToPython& operator=(const WarningsToPython&) = delete;
+  // NOLINTNEXTLINE(bugprone-exception-escape): raises what a warnings filter raises
+  ~WarningsToPython() noexcept(false) {
+    if (std::uncaught_exceptions() > exceptions_) {
+      handler_.set_in_exception();
+    }
+  }
+
+ private:
+  int exceptions_ = std::uncaught_exceptions();
+  torch::PyWarningHandler handler_;
+};
 
 // A Python value as an IValue: tensors, None, bool, int, float, str and
 // torch.device map to IValue kinds; exact tuples, lists and dicts become

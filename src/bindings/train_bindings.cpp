@@ -38,6 +38,7 @@ std::shared_ptr<TrainStep> make_train_step(py::object step, const py::object& sa
   }
   std::vector<c10::IValue> sample{to_ivalue(sample_batch)};
   TrainStepFunction call = wrap_single_argument_call(std::move(step));
+  const WarningsToPython warnings;
   py::gil_scoped_release no_gil;
   return std::make_shared<TrainStep>(std::move(call), std::move(sample), std::move(options));
 }
@@ -104,6 +105,7 @@ void register_training(py::module_& m) {
             const std::vector<c10::IValue> inputs{to_ivalue(batch)};
             at::Tensor loss;
             {
+              const WarningsToPython warnings;
               py::gil_scoped_release no_gil;
               loss = self.step(inputs);
             }
@@ -116,6 +118,7 @@ void register_training(py::module_& m) {
              int warmup) {
             std::vector<c10::IValue> sample{to_ivalue(args), to_ivalue(kwargs)};
             CapturableFunction call = wrap_call(std::move(fn));
+            const WarningsToPython warnings;
             py::gil_scoped_release no_gil;
             self.capture_eval(std::move(call), std::move(sample), warmup);
           },
@@ -125,6 +128,7 @@ void register_training(py::module_& m) {
              const std::vector<c10::IValue> inputs{to_ivalue(args), to_ivalue(kwargs)};
              c10::IValue outputs;
              {
+               const WarningsToPython warnings;
                py::gil_scoped_release no_gil;
                outputs = self.evaluate(inputs);
              }
@@ -132,6 +136,7 @@ void register_training(py::module_& m) {
            })
       .def("release",
            [](TrainStep& self) {
+             const WarningsToPython warnings;
              py::gil_scoped_release no_gil;
              self.release();
            })
@@ -204,6 +209,7 @@ void register_training(py::module_& m) {
             try {
               // Backward runs in here: Note [One training iteration] says why
               // the GIL must be released.
+              const WarningsToPython warnings;
               py::gil_scoped_release no_gil;
               loss = self(values);
             } catch (python_error& error) {
