@@ -329,14 +329,15 @@ using TokenCallback = std::function<void(const at::Tensor& tokens)>;
 /// the logits in their own dtype straight into input_ids (argmax_out), the
 /// index_copy_ into the output buffer, one add on the counters (step,
 /// generated and the positions share a tensor). End-of-sequence tokens add
-/// 7: the min_new_tokens suppression as a compare against a per-token
-/// threshold and a where (instead of building the eos mask each step), the
-/// pad of finished rows, "generated -= done" (done is the previous step's
-/// flag, so it says whether some row was unfinished), the eos test and or
-/// into finished, and all() written into done (all_out). Casts, copies,
-/// reshapes that copy and scalar tensors are gone; a CPU test counts the
-/// operators per step (tests/python/test_generate.py) so that this cannot
-/// silently regress.
+/// 8: the min_new_tokens suppression as a compare against a per-token
+/// threshold and a where with -inf (whose scalar is one more fill), instead
+/// of building the eos mask each step; the pad of finished rows; "generated
+/// -= done" (done is the previous step's flag, so it says whether some row
+/// was unfinished); the eos test and its or into finished (one more any()
+/// for several eos tokens); and all() written into done (all_out). Casts,
+/// copies, reshapes that copy and the input_ids copy are gone (25 kernels
+/// before, with eos). A CPU test counts the operators per step
+/// (tests/python/test_generate.py) so that this cannot silently regress.
 ///
 /// Note [Sampling inside a graph]
 /// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

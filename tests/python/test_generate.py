@@ -130,7 +130,7 @@ def _fixed_logits_decoder(eos, do_sample=False, vocab=32):
         device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("eos, most", [([], 3), ([7], 10), ([7, 8], 11)])
+@pytest.mark.parametrize("eos, most", [([], 3), ([7], 11), ([7, 8], 12)])
 def test_a_greedy_decode_step_launches_few_kernels(eos, most):
     """The token selection of one decode step, counted on the CPU: greedy
     without eos is argmax_out, index_copy_, add_; eos tokens add the
