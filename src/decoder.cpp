@@ -27,9 +27,30 @@ struct Decoder::Bucket {
   uint64_t last_used = 0;
 };
 
+// One prefill shape: its static inputs (allocated eagerly, outside the pool,
+// and kept while the shape is known), how often it ran, its graph once captured.
+struct Decoder::Prefill {
+  uint64_t id = 0;      // key in the memory budget's bookkeeping
+  at::Tensor ids;       // [bucket, prompt_len] int64
+  at::Tensor mask;      // [bucket, prompt_len] int64; undefined when not padded
+  at::Tensor positions; // [bucket, prompt_len] int64; unpadded shapes only (constant)
+  int64_t runs = 0;     // requests that used this shape
+  bool ever_captured = false;
+  Graph graph;
+  BucketReport report;
+  uint64_t last_used = 0;
+};
+
 namespace {
 
 constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
+
+// Ids of graphs in the budget's bookkeeping: decode buckets by their batch,
+// prefills above this.
+constexpr uint64_t kPrefillIds = uint64_t{1} << 62;
+
+// Shapes remembered (for their run counts) without a graph, at most.
+constexpr size_t kMaxPrefillShapes = 256;
 
 double elapsed_ms(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
@@ -98,6 +119,8 @@ std::vector<int64_t> validate_decoder_options(const DecoderOptions& options) {
                 "End-of-sequence tokens were given (", c10::Join(", ", options.eos_token_ids),
                 ") but no pad_token_id: finished rows need a token to emit. Pass pad_token_id "
                 "(Hugging Face uses the first eos token when the model has no pad token).");
+  GRAPHED_CHECK(options.prefill_graphs >= 0, "Expected prefill_graphs >= 0 (the most prefill "
+                "graphs held; 0: eager prefills), got ", options.prefill_graphs, ".");
   GRAPHED_CHECK(!options.memory_budget_bytes || *options.memory_budget_bytes >= 1,
                 "Expected memory_budget >= 1 byte, got ", options.memory_budget_bytes.value_or(0),
                 ". Leave it unset for no limit.");
@@ -126,40 +149,61 @@ at::Tensor prompt_positions(const at::Tensor& attention_mask) {
   return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0);
 }
 
-DecodeState make_decode_state(int64_t batch, int64_t capacity, c10::Device device) {
+DecodeState make_decode_state(int64_t batch, int64_t capacity, c10::Device device,
+                              int64_t extra_counters) {
+  GRAPHED_CHECK(extra_counters >= 0, "Expected extra_counters >= 0, got ", extra_counters, ".");
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
   const auto bools = at::TensorOptions().dtype(at::kBool).device(device);
   DecodeState state;
   state.finished = at::zeros({batch}, bools);
   state.tokens = at::zeros({batch, capacity}, longs);
-  state.step = at::zeros({1}, longs);
-  state.generated = at::zeros({1}, longs);
-  state.min_new_tokens = at::zeros({1}, longs);
+  state.next = at::zeros({batch, 1}, longs);
+  state.counters = at::zeros({2 + extra_counters}, longs);
+  state.step = state.counters.narrow(0, 0, 1);
+  state.generated = state.counters.narrow(0, 1, 1);
   state.done = at::zeros({1}, bools);
   return state;
+}
+
+void suppress_eos_until(DecodeState& state, const at::Tensor& eos, int64_t vocab,
+                        int64_t min_new_tokens) {
+  if (!eos.defined() || eos.numel() == 0) {
+    return;
+  }
+  GRAPHED_CHECK(vocab >= 1 && min_new_tokens >= 0, "Expected vocab >= 1 and min_new_tokens >= 0, "
+                "got vocab ", vocab, " and min_new_tokens ", min_new_tokens, ".");
+  if (!state.eos_threshold.defined() || state.eos_threshold.numel() != vocab) {
+    state.eos_threshold = at::zeros({vocab}, eos.options().dtype(at::kLong));
+  }
+  state.eos_threshold.index_fill_(0, eos, min_new_tokens);
 }
 
 at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
                               const SamplingOptions& sampling, const at::Tensor& eos,
                               std::optional<int64_t> pad_token_id) {
+  // Note [Fewer kernels per token]: every operation here is a kernel in each
+  // decode graph; keep their number down.
   const at::Tensor last = logits.dim() == 3 ? logits.select(1, -1) : logits;
-  GRAPHED_CHECK(last.dim() == 2 && last.size(0) == state.finished.size(0),
-                "Expected logits [", state.finished.size(0), ", vocab] or [",
-                state.finished.size(0), ", 1, vocab] from the model, got ", logits.sizes(),
-                ". The step must return the logits of one position per row.");
+  const int64_t batch = state.next.size(0);
+  GRAPHED_CHECK(last.dim() == 2 && last.size(0) == batch,
+                "Expected logits [", batch, ", vocab] or [", batch, ", 1, vocab] from the model, "
+                "got ", logits.sizes(), ". The step must return the logits of one position per "
+                "row.");
   GRAPHED_CHECK(at::isFloatingType(last.scalar_type()), "Expected floating-point logits, got ",
                 last.scalar_type(), ".");
-  // Hugging Face: outputs.logits[:, -1].to(copy=True, dtype=torch.float32).
-  at::Tensor scores = last.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   const bool has_eos = eos.defined() && eos.numel() > 0;
-  if (has_eos) {
+  at::Tensor scores = last;
+  if (has_eos && state.eos_threshold.defined()) {
+    GRAPHED_CHECK(state.eos_threshold.numel() == last.size(-1), "Expected eos_threshold with one "
+                  "entry per vocabulary token (", last.size(-1), "), got ",
+                  state.eos_threshold.numel(), ". Call suppress_eos_until with the logits' "
+                  "vocabulary size.");
     // MinNewTokensLengthLogitsProcessor, with its host condition on the device.
-    const at::Tensor vocab = at::arange(scores.size(-1), eos.options());
-    const at::Tensor suppress = is_any_of(vocab, eos).logical_and(state.step < state.min_new_tokens);
-    scores = at::where(suppress, at::scalar_tensor(kMinusInfinity, scores.options()), scores);
+    scores = at::where(state.eos_threshold.gt(state.step), kMinusInfinity, scores);
   }
-  at::Tensor next;
   if (sampling.do_sample) {
+    // Hugging Face: outputs.logits[:, -1].to(copy=True, dtype=torch.float32), then the warpers.
+    scores = scores.to(at::kFloat);
     if (sampling.temperature != 1.0) {
       scores = scores / sampling.temperature;
     }
@@ -172,22 +216,31 @@ at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
     // Note [Sampling inside a graph]: multinomial(probs, 1) without its host checks.
     const at::Tensor probs = at::softmax(scores, -1);
     const at::Tensor draws = at::empty_like(probs).exponential_(1.0);
-    next = probs.div(draws).argmax(-1);
-  } else {
-    next = scores.argmax(-1);
+    scores = probs.div_(draws);
   }
-  const at::Tensor some_unfinished = state.finished.logical_not().any().reshape({1});
-  if (pad_token_id) {
-    next = next.masked_fill(state.finished, *pad_token_id);
+  // Greedy: the float32 copy Hugging Face makes is exact, so the argmax of the
+  // logits in their own dtype is the same token (ties: the first index, both ways).
+  at::argmax_out(state.next, scores, -1, /*keepdim=*/true);
+  if (has_eos && pad_token_id) {
+    state.next.masked_fill_(state.finished.unsqueeze(1), *pad_token_id);
   }
+  state.tokens.index_copy_(1, state.step, state.next);
   if (has_eos) {
-    state.finished.logical_or_(is_any_of(next, eos));
+    // done still says whether every row had finished before this token.
+    state.generated.add_(state.done, /*alpha=*/-1);
   }
-  state.generated.add_(some_unfinished.to(at::kLong));
-  state.tokens.index_copy_(1, state.step, next.unsqueeze(1));
-  state.step.add_(1);
-  state.done.copy_(state.finished.all().reshape({1}));
-  return next;
+  state.counters.add_(1);
+  if (has_eos) {
+    const at::Tensor ended = eos.numel() == 1 ? state.next.eq(eos)
+                                              : state.next.eq(eos).any(-1, /*keepdim=*/true);
+    state.finished.unsqueeze(1).logical_or_(ended);
+    at::all_out(state.done, state.finished, 0, /*keepdim=*/true);
+  }
+  return state.next.select(1, 0);
+}
+
+std::string_view graph_kind_name(GraphKind kind) {
+  return kind == GraphKind::kPrefill ? "prefill" : "decode";
 }
 
 Decoder::Decoder(DecodeStep step, PrefillStep prefill, DecoderOptions options,
@@ -209,11 +262,16 @@ Decoder::Decoder(DecodeStep step, PrefillStep prefill, DecoderOptions options,
     guard.emplace(device_);
   }
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
-  inputs_.input_ids = at::zeros({options_.max_batch, 1}, longs);
-  inputs_.position_ids = at::zeros({options_.max_batch, 1}, longs);
+  // Note [Fewer kernels per token]: the token selection writes input_ids in
+  // place (state_.next) and advances the positions with step and generated.
+  state_ = make_decode_state(options_.max_batch, options_.max_len, device_,
+                             /*extra_counters=*/options_.max_batch);
+  inputs_.input_ids = state_.next;
+  inputs_.position_ids = state_.counters.narrow(0, 2, options_.max_batch).view({-1, 1});
   inputs_.attention_mask = at::ones({options_.max_batch, options_.max_len}, longs);
   inputs_.batch = options_.max_batch;
-  state_ = make_decode_state(options_.max_batch, options_.max_len, device_);
+  row_index_ = at::arange(options_.max_batch, longs);
+  live_rows_ = at::zeros({1}, longs);
   eos_ = at::tensor(options_.eos_token_ids, at::TensorOptions().dtype(at::kLong)).to(device_);
   if (device_.is_cuda()) {
     done_host_ = at::zeros({1}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
@@ -223,6 +281,7 @@ Decoder::Decoder(DecodeStep step, PrefillStep prefill, DecoderOptions options,
     auto bucket = std::make_unique<Bucket>();
     bucket->batch = size;
     bucket->report.batch = size;
+    bucket->report.kind = GraphKind::kDecode;
     graphs_.emplace(size, std::move(bucket));
   }
 }
@@ -254,6 +313,8 @@ DecodeState Decoder::state_for(int64_t batch) const {
   DecodeState state = state_;
   state.finished = state_.finished.narrow(0, 0, batch);
   state.tokens = state_.tokens.narrow(0, 0, batch);
+  state.next = state_.next.narrow(0, 0, batch);
+  state.counters = state_.counters.narrow(0, 0, 2 + batch);  // with this bucket's positions
   return state;
 }
 
@@ -277,12 +338,20 @@ void Decoder::reset_cache() {
   }
 }
 
+void Decoder::select(const at::Tensor& logits, DecodeState& state) {
+  if (!options_.eos_token_ids.empty() && !state_.eos_threshold.defined()) {
+    // The vocabulary is known from the first logits, which come from an eager
+    // run (a warm-up or an eager prefill), never from a capture.
+    suppress_eos_until(state_, eos_, logits.size(-1), threshold_min_new_);
+  }
+  state.eos_threshold = state_.eos_threshold;
+  (void)select_next_tokens(logits, state, options_.sampling, eos_, options_.pad_token_id);
+}
+
 void Decoder::decode_step(const DecodeInputs& inputs, DecodeState& state) {
-  const at::Tensor next = select_next_tokens(step_(inputs), state, options_.sampling, eos_,
-                                             options_.pad_token_id);
-  // The chosen token is the next step's input, one position further on.
-  inputs.input_ids.copy_(next.unsqueeze(1));
-  inputs.position_ids.add_(1);
+  // The chosen token lands in inputs.input_ids and the positions advance with
+  // the step counter (Note [Fewer kernels per token]).
+  select(step_(inputs), state);
 }
 
 void Decoder::run_step(Bucket& bucket) {
@@ -301,10 +370,10 @@ void Decoder::capture_bucket(Bucket& bucket) {
   const auto started = std::chrono::steady_clock::now();
   // Values that keep warm-up in range: an empty cache, every row attending.
   inputs_.input_ids.zero_();
-  inputs_.position_ids.zero_();
+  state_.counters.zero_();  // step, generated, positions
   inputs_.attention_mask.fill_(1);
   state_.finished.fill_(false);
-  state_.step.zero_();
+  state_.done.fill_(false);
   reset_cache();
 
   const DecodeInputs inputs = inputs_for(batch);
@@ -327,7 +396,7 @@ void Decoder::capture_bucket(Bucket& bucket) {
       }
       stream_wait(caller.stream(), stream.stream());
     }
-    state_.step.zero_();
+    state_.counters.zero_();
     reset_cache();
     GraphCaptureOptions graph_options;
     graph_options.pool = pool_;
@@ -356,30 +425,74 @@ void Decoder::capture_bucket(Bucket& bucket) {
   bucket.report.capture_ms = elapsed_ms(started);
 }
 
-void Decoder::evict_over_budget(int64_t keep) {
-  if (!options_.memory_budget_bytes) {
-    return;
-  }
-  LruBudget budget(options_.memory_budget_bytes);
-  std::vector<Bucket*> by_age;
-  for (auto& [size, bucket] : graphs_) {
-    if (bucket->graph.is_captured()) {
-      by_age.push_back(bucket.get());
+void Decoder::evict_over_budget(const std::vector<uint64_t>& keep) {
+  const auto kept = [&](uint64_t id) {
+    return std::find(keep.begin(), keep.end(), id) != keep.end();
+  };
+  // DecoderOptions::prefill_graphs: the least recently used prefill graphs
+  // beyond it go first (one unit each in an LruBudget of that many).
+  LruBudget count(std::max<int64_t>(options_.prefill_graphs, 1));
+  std::vector<std::pair<uint64_t, Prefill*>> prefills_by_age;
+  for (auto& [key, prefill] : prefills_) {
+    if (prefill->graph.is_captured()) {
+      prefills_by_age.emplace_back(prefill->last_used, prefill.get());
     }
   }
-  std::sort(by_age.begin(), by_age.end(),
-            [](const Bucket* a, const Bucket* b) { return a->last_used < b->last_used; });
-  for (const Bucket* bucket : by_age) {
-    // A graph that fit in memory the pool already held still counts a byte:
-    // a budget below every graph keeps only the bucket in use.
-    budget.add(static_cast<uint64_t>(bucket->batch),
-               std::max<int64_t>(bucket->report.graph_bytes, 1));
+  std::sort(prefills_by_age.begin(), prefills_by_age.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::map<uint64_t, Prefill*> prefill_by_id;
+  for (const auto& [age, prefill] : prefills_by_age) {
+    count.add(prefill->id, 1);
+    prefill_by_id[prefill->id] = prefill;
   }
-  for (uint64_t size : budget.over_budget(static_cast<uint64_t>(keep))) {
-    Bucket& evicted = *graphs_.at(static_cast<int64_t>(size));
+  const auto evict_prefill = [&](uint64_t id) {
+    Prefill& evicted = *prefill_by_id.at(id);
     evicted.graph = Graph();
     evicted.report.captured = false;
     ++evicted.report.evictions;
+  };
+  for (uint64_t id : count.over_budget()) {
+    if (!kept(id)) {
+      evict_prefill(id);
+    }
+  }
+  if (!options_.memory_budget_bytes) {
+    return;
+  }
+  // Note [Decode graphs share one pool]: decode buckets and prefills share
+  // the byte budget, least recently used first.
+  LruBudget budget(options_.memory_budget_bytes);
+  std::vector<std::pair<uint64_t, uint64_t>> by_age;  // last_used, id
+  for (auto& [size, bucket] : graphs_) {
+    if (bucket->graph.is_captured()) {
+      by_age.emplace_back(bucket->last_used, static_cast<uint64_t>(bucket->batch));
+    }
+  }
+  for (const auto& [age, prefill] : prefills_by_age) {
+    if (prefill->graph.is_captured()) {
+      by_age.emplace_back(prefill->last_used, prefill->id);
+    }
+  }
+  std::sort(by_age.begin(), by_age.end());
+  for (const auto& [age, id] : by_age) {
+    // A graph that fit in memory the pool already held still counts a byte:
+    // a budget below every graph keeps only the graphs in use.
+    const int64_t bytes = id >= kPrefillIds ? prefill_by_id.at(id)->report.graph_bytes
+                                            : graphs_.at(static_cast<int64_t>(id))->report.graph_bytes;
+    budget.add(id, std::max<int64_t>(bytes, 1));
+  }
+  for (uint64_t id : budget.over_budget()) {
+    if (kept(id)) {
+      continue;
+    }
+    if (id >= kPrefillIds) {
+      evict_prefill(id);
+    } else {
+      Bucket& evicted = *graphs_.at(static_cast<int64_t>(id));
+      evicted.graph = Graph();
+      evicted.report.captured = false;
+      ++evicted.report.evictions;
+    }
   }
 }
 
@@ -389,7 +502,7 @@ void Decoder::ensure_captured(Bucket& bucket) {
     return;
   }
   capture_bucket(bucket);
-  evict_over_budget(bucket.batch);
+  evict_over_budget({static_cast<uint64_t>(bucket.batch)});
 }
 
 void Decoder::capture_all(const BucketCaptured& on_captured) {
@@ -404,6 +517,139 @@ void Decoder::capture_all(const BucketCaptured& on_captured) {
     if (on_captured) {
       on_captured(it->second->batch, ++done, graphs_.size());
     }
+  }
+}
+
+Decoder::Prefill& Decoder::prefill_for(int64_t rows, int64_t prompt_len, bool padded) {
+  const PrefillKey key{rows, prompt_len, padded};
+  auto found = prefills_.find(key);
+  if (found == prefills_.end()) {
+    if (prefills_.size() >= kMaxPrefillShapes) {
+      // Forget the least recently used shape that holds no graph (and its row
+      // of the memory report, if it had one).
+      auto oldest = prefills_.end();
+      for (auto it = prefills_.begin(); it != prefills_.end(); ++it) {
+        if (!it->second->graph.is_captured() &&
+            (oldest == prefills_.end() || it->second->last_used < oldest->second->last_used)) {
+          oldest = it;
+        }
+      }
+      if (oldest != prefills_.end()) {
+        prefills_.erase(oldest);
+      }
+    }
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
+    auto prefill = std::make_unique<Prefill>();
+    prefill->id = kPrefillIds + next_prefill_id_++;
+    prefill->ids = at::zeros({rows, prompt_len}, longs);
+    if (padded) {
+      prefill->mask = at::ones({rows, prompt_len}, longs);
+    } else {
+      prefill->positions = prompt_positions(at::ones({rows, prompt_len}, longs));
+    }
+    prefill->report.kind = GraphKind::kPrefill;
+    prefill->report.batch = rows;
+    prefill->report.prompt_len = prompt_len;
+    prefill->report.padded = padded;
+    found = prefills_.emplace(key, std::move(prefill)).first;
+  }
+  return *found->second;
+}
+
+void Decoder::prefill_body(Prefill& prefill) {
+  // Note [The decode loop]: everything a request needs before its first
+  // decode step, in one graph once the shape is captured.
+  const int64_t rows = prefill.report.batch;
+  const int64_t prompt_len = prefill.report.prompt_len;
+  reset_cache();
+  const at::Tensor positions = prefill.mask.defined() ? prompt_positions(prefill.mask)
+                                                      : prefill.positions;
+  const at::Tensor logits = prefill_(prefill.ids, prefill.mask, positions);
+  // The request's rows attend to their prompt and everything after it; rows
+  // padding the batch up to the bucket attend everywhere, start finished and
+  // are cut off.
+  at::Tensor mask = inputs_.attention_mask.narrow(0, 0, rows);
+  mask.fill_(1);
+  if (prefill.mask.defined()) {
+    mask.narrow(1, 0, prompt_len).copy_(prefill.mask);
+  }
+  DecodeState state = state_for(rows);
+  state.counters.narrow(0, 0, 2).zero_();  // step, generated
+  // The selection advances the positions with the step: start at the prompt's last.
+  inputs_.position_ids.narrow(0, 0, rows).copy_(positions.narrow(1, prompt_len - 1, 1));
+  if (!options_.eos_token_ids.empty()) {
+    at::ge_out(state.finished, row_index_.narrow(0, 0, rows), live_rows_);
+    state_.done.zero_();
+  }
+  select(logits, state);
+}
+
+bool Decoder::capture_prefill(Prefill& prefill, const Bucket& bucket) {
+  const auto started = std::chrono::steady_clock::now();
+  const int64_t pool_before = pool_ ? pool_memory(*pool_, device_.index()).reserved_bytes : 0;
+  const StateSnapshot random_state = StateSnapshot::take({}, device_);
+  const auto body = [&] { prefill_body(prefill); };
+  try {
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_.index());
+    const c10::cuda::CUDAStream stream = capture_stream(device_.index());
+    {
+      // One warm-up on the stream that will capture, as for decode steps; the
+      // eager prefills before ran on the caller's stream.
+      // See Note [One capture stream per device].
+      stream_wait(stream.stream(), caller.stream());
+      c10::cuda::CUDAStreamGuard on_capture_stream(stream);
+      body();
+      stream_wait(caller.stream(), stream.stream());
+    }
+    GraphCaptureOptions graph_options;
+    graph_options.pool = pool_;
+    graph_options.error_mode = options_.error_mode;
+    graph_options.description = c10::str("the prefill for batch bucket ", prefill.report.batch,
+                                         " and prompt length ", prefill.report.prompt_len);
+    Graph graph;
+    graph.capture(body, graph_options);
+    prefill.graph = std::move(graph);
+  } catch (const CaptureError& error) {
+    // A prefill that cannot be captured still runs eagerly, as before graphs
+    // of prefills existed; say why once, and stop trying.
+    random_state.restore();
+    prefill_graphs_broken_ = true;
+    TORCH_WARN("graphed.Decoder: the prefill could not be captured, so prefills run eagerly "
+               "from now on (decode steps are still graphs). Expected a capturable prefill "
+               "function (no host reads of device values); found: ", error.what_without_backtrace(),
+               " Fix the prefill, or pass prefill_graphs=0 to keep prefills eager without "
+               "this warning.");
+    return false;
+  } catch (...) {
+    random_state.restore();
+    throw;
+  }
+  random_state.restore();
+  if (!pool_) {
+    pool_ = prefill.graph.pool();
+  }
+  prefill.ever_captured = true;
+  prefill.report.captured = true;
+  prefill.report.graph_bytes =
+      std::max<int64_t>(0, pool_memory(*pool_, device_.index()).reserved_bytes - pool_before);
+  prefill.report.kernels = prefill.graph.stats().kernels;
+  prefill.report.capture_ms = elapsed_ms(started);
+  evict_over_budget({prefill.id, static_cast<uint64_t>(bucket.batch)});
+  return true;
+}
+
+void Decoder::run_prefill(Prefill& prefill, const Bucket& bucket) {
+  prefill.last_used = ++clock_;
+  ++prefill.runs;
+  const bool graphs = options_.use_graphs && options_.prefill_graphs > 0 && !prefill_graphs_broken_;
+  if (graphs && !prefill.graph.is_captured() && prefill.runs > options_.warmup_iters) {
+    (void)capture_prefill(prefill, bucket);
+  }
+  if (prefill.graph.is_captured()) {
+    prefill.graph.replay();
+    ++prefill.report.replays;
+  } else {
+    prefill_body(prefill);
   }
 }
 
@@ -429,31 +675,35 @@ DecodeResult Decoder::generate(const at::Tensor& input_ids, const at::Tensor& at
   ensure_captured(bucket);
   const int64_t rows = bucket.batch;
 
-  const at::Tensor mask = attention_mask.defined() ? attention_mask.to(device_, at::kLong)
-                                                   : at::ones_like(input_ids, at::kLong);
-  const at::Tensor positions = prompt_positions(mask);
-  reset_cache();
-  const at::Tensor logits = prefill_(input_ids, mask, positions);
-
-  // The request's rows attend to their prompt and everything after it; rows
-  // padding the batch up to the bucket attend everywhere, start finished and
-  // are cut off.
-  inputs_.attention_mask.narrow(0, 0, rows).fill_(1);
-  inputs_.attention_mask.narrow(0, 0, batch).narrow(1, 0, prompt_len).copy_(mask);
-  inputs_.position_ids.narrow(0, 0, rows).zero_();
-  inputs_.position_ids.narrow(0, 0, batch).copy_(positions.narrow(1, prompt_len - 1, 1) + 1);
-  inputs_.input_ids.narrow(0, 0, rows).fill_(options_.pad_token_id.value_or(0));
-  state_.finished.narrow(0, 0, rows).fill_(true);
-  state_.finished.narrow(0, 0, batch).fill_(false);
-  state_.step.zero_();
-  state_.generated.zero_();
-  state_.min_new_tokens.fill_(min_new_tokens);
-  state_.done.fill_(false);
-
-  DecodeState request = state_for(batch);
-  const at::Tensor first =
-      select_next_tokens(logits, request, options_.sampling, eos_, options_.pad_token_id);
-  inputs_.input_ids.narrow(0, 0, batch).copy_(first.unsqueeze(1));
+  // Note [The decode loop]: whether any row has left padding picks the
+  // prefill's attention path, so it is part of the prefill's shape. One read
+  // of the mask, free when it is on the CPU.
+  const bool padded = attention_mask.defined() && !attention_mask.ne(0).all().item<bool>();
+  Prefill& prefill = prefill_for(rows, prompt_len, padded);
+  prefill.ids.narrow(0, 0, batch).copy_(input_ids);
+  if (padded) {
+    prefill.mask.narrow(0, 0, batch).copy_(attention_mask);
+  }
+  if (batch < rows) {
+    prefill.ids.narrow(0, batch, rows - batch).fill_(options_.pad_token_id.value_or(0));
+    if (padded) {
+      prefill.mask.narrow(0, batch, rows - batch).fill_(1);
+    }
+  }
+  if (!options_.eos_token_ids.empty()) {
+    // Device values the prefill reads, written only when they change.
+    if (live_rows_value_ != batch) {
+      live_rows_.fill_(batch);
+      live_rows_value_ = batch;
+    }
+    if (threshold_min_new_ != min_new_tokens) {
+      threshold_min_new_ = min_new_tokens;
+      if (state_.eos_threshold.defined()) {
+        state_.eos_threshold.index_fill_(0, eos_, min_new_tokens);
+      }
+    }
+  }
+  run_prefill(prefill, bucket);
 
   const at::Tensor last_tokens = inputs_.input_ids.narrow(0, 0, batch).select(1, 0);
   int64_t steps = 1;
@@ -510,6 +760,11 @@ std::vector<BucketReport> Decoder::memory_report() const {
   std::vector<BucketReport> report;
   for (const auto& [size, bucket] : graphs_) {
     report.push_back(bucket->report);
+  }
+  for (const auto& [key, prefill] : prefills_) {
+    if (prefill->ever_captured) {
+      report.push_back(prefill->report);
+    }
   }
   return report;
 }

@@ -11,6 +11,7 @@ only here, and only when a model is adapted.
 
 import copy
 import logging
+import threading
 import weakref
 
 import torch
@@ -71,6 +72,51 @@ def _check_model(model):
                      f"head size per layer, which the decode graphs need. Use model.generate.")
 
 
+# Whether the prefill under way has left padding (True/False), or None
+# outside graphed's prefills. Per thread: the decoder calls the prefill on the
+# thread that called generate().
+_prefill_padding = threading.local()
+
+
+def _install_prefill_mask_rule():
+    """Makes transformers' prefill mask rule capturable during graphed's prefills.
+
+    Note [A capturable prefill]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    transformers (5.17) decides in masking_utils._ignore_causal_mask_sdpa
+    whether the prefill can skip its attention mask and use SDPA's is_causal:
+    yes when the (empty) cache's offset is 0 and no prompt has left padding.
+    It decides by reading device values on the host (``q_offset == 0`` on the
+    StaticCache's length tensor, ``padding_mask.sum() == numel``), which no
+    graph can hold, and while a CUDA stream captures it answers "no" without
+    looking -- a different attention path than the eager prefill, whose
+    tokens could differ in the last bits. The decoder knows both answers on
+    the host: the cache was just emptied, and the core passes the mask only
+    when some row has left padding (PrefillStep in decoder.h). So during
+    graphed's prefills this rule answers as transformers would for those
+    values (padding, or a local attention window it reaches, keeps the mask);
+    everywhere else it calls transformers' own rule unchanged."""
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_causal_mask_sdpa
+    if getattr(original, "_graphed_prefill_rule", False):
+        return
+
+    def ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                local_attention_size=None):
+        padded = getattr(_prefill_padding, "padded", None)
+        if padded is None:
+            return original(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                            local_attention_size)
+        if local_attention_size is not None and kv_length >= local_attention_size:
+            return False
+        return not padded
+
+    ignore_causal_mask_sdpa._graphed_prefill_rule = True
+    ignore_causal_mask_sdpa.__wrapped__ = original
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+
+
 class _StaticCacheModel:
     """The model's prefill and decode step on one StaticCache of max_batch rows;
     a batch of n rows works on views of the first n rows of every layer.
@@ -96,6 +142,7 @@ class _StaticCacheModel:
                                         dtype=model.dtype, device=model.device)
         self.extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         self.views = {}
+        _install_prefill_mask_rule()
 
     @property
     def model(self):
@@ -128,8 +175,17 @@ class _StaticCacheModel:
         return self.model(**inputs, return_dict=True).logits
 
     def prefill(self, args):
+        """The prompts through the model, capturable (Note [A capturable prefill]).
+        attention_mask is None when no row has left padding."""
         input_ids, attention_mask, position_ids = args
-        return self._forward(input_ids, attention_mask, position_ids, is_first_iteration=True)
+        padded = attention_mask is not None
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        _prefill_padding.padded = padded
+        try:
+            return self._forward(input_ids, attention_mask, position_ids, is_first_iteration=True)
+        finally:
+            _prefill_padding.padded = None
 
     def step(self, args):
         input_ids, position_ids, attention_mask = args
@@ -200,14 +256,18 @@ class Decoder:
 
     ``max_batch`` rows and ``max_len`` cache positions (prompt + new tokens - 1)
     are allocated once; sampling settings are fixed at construction (they are
-    part of the graphs). ``memory_budget`` ("2GiB" or bytes) evicts least
-    recently used bucket graphs. ``capture=True`` captures every bucket now.
+    part of the graphs). ``capture=True`` captures every bucket's decode step
+    now. The prefill of a (bucket, prompt length) shape runs eagerly for its
+    first ``warmup`` requests, then as a graph; at most ``prefill_graphs`` of
+    them are held (least recently used evicted; 0 keeps prefills eager).
+    ``memory_budget`` ("2GiB" or bytes) evicts least recently used graphs of
+    either kind.
     """
 
     def __init__(self, model, max_batch, max_len, *, buckets=None, do_sample=None,
                  temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None,
                  check_every=8, memory_budget=None, warmup=2, capture=True, use_graphs=None,
-                 capture_error_mode="global", generation_config=None):
+                 capture_error_mode="global", generation_config=None, prefill_graphs=16):
         _check_model(model)
         settings = _settings(model, {"do_sample": do_sample, "temperature": temperature,
                                      "top_k": top_k, "top_p": top_p,
@@ -230,7 +290,8 @@ class Decoder:
             top_k=settings["top_k"], top_p=settings["top_p"], min_tokens_to_keep=1,
             eos_token_ids=settings["eos_token_ids"], pad_token_id=settings["pad_token_id"],
             check_every=check_every, memory_budget=memory_budget, warmup=warmup,
-            use_graphs=use_graphs, capture_error_mode=capture_error_mode, device=device)
+            use_graphs=use_graphs, capture_error_mode=capture_error_mode, device=device,
+            prefill_graphs=prefill_graphs)
         adapter.append(_StaticCacheModel(model, max_batch, max_len))
         self._adapter = adapter
         if capture and use_graphs:
@@ -242,7 +303,8 @@ class Decoder:
         return self._adapter[0].cache
 
     def capture(self):
-        """Captures every bucket's graph now (generate() captures a bucket on first use).
+        """Captures every bucket's graph now (generate() captures a bucket on first use,
+        and prefill graphs after their shape's warm-up requests).
         A progress bar shows on stderr while it takes (see graphed._progress)."""
         with Progress(len(self._core.buckets), "graphed.Decoder: capturing", unit="bucket",
                       delay=0.5) as bar:
@@ -291,7 +353,9 @@ class Decoder:
         return torch.cat([input_ids, tokens], dim=1)
 
     def memory_report(self):
-        """Per bucket: batch, captured, graph_bytes, capture_ms, kernels, replays, evictions."""
+        """One dict per graph: ``kind`` ("decode": one per bucket; "prefill": one per
+        prefill shape captured so far, with ``prompt_len`` and ``padded``), batch,
+        captured, graph_bytes, capture_ms, kernels, replays, evictions."""
         return self._core.memory_report()
 
     def pool_bytes(self):

@@ -21,13 +21,15 @@ DecodeStep wrap_decode_step(py::object step) {
   };
 }
 
-// The Python prefill is called with one tuple (input_ids, attention_mask,
-// position_ids) and returns the logits.
+// The Python prefill is called with one tuple (input_ids, attention_mask or
+// None, position_ids) and returns the logits.
 PrefillStep wrap_prefill(py::object prefill) {
   CapturableFunction call = wrap_single_argument_call(std::move(prefill));
   return [call](const at::Tensor& input_ids, const at::Tensor& attention_mask,
                 const at::Tensor& position_ids) {
-    const c10::IValue args = c10::ivalue::Tuple::create({input_ids, attention_mask, position_ids});
+    // An undefined mask (no left padding) reaches Python as None.
+    const c10::IValue mask = attention_mask.defined() ? c10::IValue(attention_mask) : c10::IValue();
+    const c10::IValue args = c10::ivalue::Tuple::create({input_ids, mask, position_ids});
     return call({args}).toTensor();
   };
 }
@@ -49,7 +51,7 @@ std::unique_ptr<Decoder> make_decoder(py::object step, py::object prefill, py::o
                                       std::optional<int64_t> pad_token_id, int64_t check_every,
                                       const py::object& memory_budget, int warmup,
                                       bool use_graphs, const std::string& capture_error_mode,
-                                      const py::object& device) {
+                                      const py::object& device, int64_t prefill_graphs) {
   GRAPHED_CHECK(THPDevice_Check(device.ptr()), "Expected device to be a torch.device, got ",
                 py::repr(device).cast<std::string>(), ".");
   DecoderOptions options;
@@ -62,6 +64,7 @@ std::unique_ptr<Decoder> make_decoder(py::object step, py::object prefill, py::o
   options.check_every = check_every;
   options.memory_budget_bytes = memory_budget_from_python(memory_budget);
   options.warmup_iters = warmup;
+  options.prefill_graphs = prefill_graphs;
   options.use_graphs = use_graphs;
   options.error_mode = parse_capture_error_mode(capture_error_mode);
   options.reset_cache = wrap_procedure(std::move(reset));
@@ -72,7 +75,12 @@ std::unique_ptr<Decoder> make_decoder(py::object step, py::object prefill, py::o
 
 py::dict report_to_python(const BucketReport& report) {
   py::dict out;
+  out["kind"] = std::string(graph_kind_name(report.kind));
   out["batch"] = report.batch;
+  if (report.kind == GraphKind::kPrefill) {
+    out["prompt_len"] = report.prompt_len;
+    out["padded"] = report.padded;
+  }
   out["captured"] = report.captured;
   out["graph_bytes"] = report.graph_bytes;
   out["capture_ms"] = report.capture_ms;
@@ -94,7 +102,8 @@ void register_decoder(py::module_& m) {
            py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
            py::arg("min_tokens_to_keep"), py::arg("eos_token_ids"), py::arg("pad_token_id"),
            py::arg("check_every"), py::arg("memory_budget"), py::arg("warmup"),
-           py::arg("use_graphs"), py::arg("capture_error_mode"), py::arg("device"))
+           py::arg("use_graphs"), py::arg("capture_error_mode"), py::arg("device"),
+           py::arg("prefill_graphs") = 16)
       .def(
           "capture_all",
           [](Decoder& self, const py::object& on_captured) {

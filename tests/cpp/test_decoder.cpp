@@ -169,8 +169,8 @@ TEST(SelectNextTokens, GreedyWritesTokensFinishesRowsAndPads) {
 
 TEST(SelectNextTokens, MinNewTokensSuppressEosUntilReached) {
   DecodeState state = graphed::make_decode_state(1, 4, at::kCPU);
-  state.min_new_tokens.fill_(2);
   const at::Tensor eos = at::tensor({5}, at::kLong);
+  graphed::suppress_eos_until(state, eos, kVocab, 2);
   at::Tensor logits = at::zeros({1, kVocab});
   logits.index_put_({0, 5}, 2.0);
   logits.index_put_({0, 4}, 1.0);
@@ -180,6 +180,66 @@ TEST(SelectNextTokens, MinNewTokensSuppressEosUntilReached) {
             (std::vector<int64_t>{4}));
   EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, eos, 0)),
             (std::vector<int64_t>{5}));
+}
+
+TEST(SelectNextTokens, GreedyInTheLogitsDtypeWritesNextAndAdvancesTheCounters) {
+  // Two extra counters stand for a caller's positions: they advance with step.
+  DecodeState state = graphed::make_decode_state(2, 3, at::kCPU, /*extra_counters=*/2);
+  state.counters.narrow(0, 2, 2).fill_(7);
+  at::Tensor logits = at::zeros({2, 1, kVocab}, at::kBFloat16);
+  logits.index_put_({0, 0, 4}, 1.0);
+  logits.index_put_({1, 0, 9}, 1.0);
+  logits.index_put_({1, 0, 2}, 1.0);  // a tie: the first index wins, as for float32
+  const at::Tensor next = graphed::select_next_tokens(logits, state, {}, at::Tensor(), 0);
+  EXPECT_EQ(to_vector(next), (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(to_vector(state.next), (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(next.data_ptr(), state.next.data_ptr()) << "the tokens are state.next itself";
+  EXPECT_EQ(to_vector(state.tokens.select(1, 0)), (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(to_vector(state.counters), (std::vector<int64_t>{1, 1, 8, 8}));
+  EXPECT_FALSE(state.done.item<bool>());
+}
+
+TEST(SelectNextTokens, MatchesArgmaxOfFloatLogitsForEveryDtype) {
+  at::manual_seed(3);
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+    // Coarse values make ties common in the low-precision dtypes.
+    const at::Tensor logits = at::randint(-4, 4, {64, 1, 50}).to(dtype);
+    DecodeState state = graphed::make_decode_state(64, 1, at::kCPU);
+    const at::Tensor want = logits.select(1, 0).to(at::kFloat).argmax(-1);
+    EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, at::Tensor(), {})),
+              to_vector(want)) << dtype;
+  }
+}
+
+TEST(SelectNextTokens, SeveralEosTokensAndTheThresholdFollowMinNewTokens) {
+  DecodeState state = graphed::make_decode_state(2, 6, at::kCPU);
+  const at::Tensor eos = at::tensor({5, 6}, at::kLong);
+  EXPECT_THROW_WITH(
+      {
+        DecodeState bad = graphed::make_decode_state(2, 6, at::kCPU);
+        graphed::suppress_eos_until(bad, eos, 20, 1);
+        (void)graphed::select_next_tokens(at::zeros({2, kVocab}), bad, {}, eos, 0);
+      },
+      graphed::Error, "suppress_eos_until");
+  graphed::suppress_eos_until(state, eos, kVocab, 1);
+  at::Tensor logits = at::zeros({2, kVocab});
+  logits.index_put_({0, 6}, 3.0);
+  logits.index_put_({0, 1}, 1.0);
+  logits.index_put_({1, 5}, 3.0);
+  logits.index_put_({1, 2}, 1.0);
+  // Step 0 < min_new_tokens 1: both eos tokens suppressed.
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, eos, 0)),
+            (std::vector<int64_t>{1, 2}));
+  // Step 1: row 0 ends on eos 6, row 1 on eos 5.
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, eos, 0)),
+            (std::vector<int64_t>{6, 5}));
+  EXPECT_TRUE(state.done.item<bool>());
+  EXPECT_EQ(to_vector(state.generated), (std::vector<int64_t>{2}));
+  // The threshold is rewritten in place for the next request.
+  const void* where = state.eos_threshold.data_ptr();
+  graphed::suppress_eos_until(state, eos, kVocab, 0);
+  EXPECT_EQ(state.eos_threshold.data_ptr(), where);
+  EXPECT_EQ(to_vector(state.eos_threshold).at(5), 0);
 }
 
 TEST(SelectNextTokens, TopKOneAndTinyTopPAreGreedy) {
@@ -317,6 +377,9 @@ TEST_F(DecoderOnGpu, ReplaysDrawNewRandomNumbers) {
   at::Tensor length = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(gpu));
   DecoderOptions options = toy_options(32, 64, true);
   options.sampling.do_sample = true;
+  // Eager prefills throughout, so that the seeded requests below draw the
+  // first token the same way (the prefill graphs are tested on their own).
+  options.prefill_graphs = 0;
   Decoder decoder(
       [](const DecodeInputs& in) {
         return at::zeros({in.batch, 1000}, in.input_ids.options().dtype(at::kFloat));
@@ -354,6 +417,116 @@ TEST_F(DecoderOnGpu, MemoryBudgetEvictsLeastRecentlyUsedBuckets) {
   // The budget is below any graph: only the bucket in use stays.
   EXPECT_LE(captured, 1);
   EXPECT_TRUE(decoder.memory_report().back().captured);
+}
+
+std::vector<graphed::BucketReport> prefill_rows(const Decoder& decoder) {
+  std::vector<graphed::BucketReport> rows;
+  for (const graphed::BucketReport& report : decoder.memory_report()) {
+    if (report.kind == graphed::GraphKind::kPrefill) {
+      rows.push_back(report);
+    }
+  }
+  return rows;
+}
+
+TEST_F(DecoderOnGpu, PrefillGraphIsCapturedAfterWarmupAndGivesTheEagerTokens) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  ToyModel graphed_model(gpu);
+  ToyModel eager_model(gpu);
+  DecoderOptions options = toy_options(4, 64, true);
+  options.eos_token_ids = {5};
+  options.pad_token_id = 10;
+  options.warmup_iters = 2;
+  Decoder captured = toy_decoder(graphed_model, options, gpu);
+  options.use_graphs = false;
+  Decoder eager = toy_decoder(eager_model, options, gpu);
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(gpu);
+  for (int request = 1; request <= 4; ++request) {
+    // The same shape each time (batch 3 in bucket 4, prompt length 3, no
+    // padding), different tokens and min_new_tokens.
+    const at::Tensor ids = at::randint(0, kVocab, {3, 3}, longs);
+    const int64_t min_new = request % 2 == 0 ? 6 : 0;
+    const auto a = captured.generate(ids, at::Tensor(), 30, min_new);
+    const auto b = eager.generate(ids, at::Tensor(), 30, min_new);
+    EXPECT_TRUE(at::equal(a.tokens, b.tokens)) << "request " << request;
+    const auto rows = prefill_rows(captured);
+    if (request <= 2) {
+      EXPECT_TRUE(rows.empty()) << "request " << request << " should run the prefill eagerly";
+    } else {
+      ASSERT_EQ(rows.size(), 1u);
+      EXPECT_TRUE(rows[0].captured);
+      EXPECT_EQ(rows[0].batch, 4);
+      EXPECT_EQ(rows[0].prompt_len, 3);
+      EXPECT_FALSE(rows[0].padded);
+      EXPECT_GT(rows[0].kernels, 0);
+      EXPECT_EQ(rows[0].replays, request - 2);
+    }
+  }
+  // A padded mask is another shape; a full batch of the same length too.
+  for (int request = 1; request <= 3; ++request) {
+    const at::Tensor ids = at::randint(0, kVocab, {2, 3}, longs);
+    const at::Tensor mask = at::tensor({0, 1, 1, 1, 1, 1}, longs).view({2, 3});
+    EXPECT_TRUE(at::equal(captured.generate(ids, mask, 20).tokens,
+                          eager.generate(ids, mask, 20).tokens));
+  }
+  const auto rows = prefill_rows(captured);
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_NE(rows[0].padded, rows[1].padded);
+}
+
+TEST_F(DecoderOnGpu, PrefillGraphsAreBoundedLeastRecentlyUsedFirst) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  ToyModel model(gpu);
+  DecoderOptions options = toy_options(2, 32, true);
+  options.warmup_iters = 1;
+  options.prefill_graphs = 2;
+  Decoder decoder = toy_decoder(model, options, gpu);
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(gpu);
+  for (int64_t length : {2, 3, 4}) {
+    for (int request = 0; request < 2; ++request) {
+      (void)decoder.generate(at::ones({1, length}, longs), at::Tensor(), 4);
+    }
+  }
+  const auto rows = prefill_rows(decoder);
+  ASSERT_EQ(rows.size(), 3u);
+  for (const graphed::BucketReport& row : rows) {
+    EXPECT_EQ(row.captured, row.prompt_len != 2) << "prompt length " << row.prompt_len;
+    EXPECT_EQ(row.evictions, row.prompt_len == 2 ? 1 : 0);
+  }
+  // Used again, the evicted shape is captured again at once (it was seen enough).
+  (void)decoder.generate(at::ones({1, 2}, longs), at::Tensor(), 4);
+  int64_t held = 0;
+  for (const graphed::BucketReport& row : prefill_rows(decoder)) {
+    held += row.captured ? 1 : 0;
+    if (row.prompt_len == 2) {
+      EXPECT_TRUE(row.captured);
+    }
+  }
+  EXPECT_EQ(held, 2);
+}
+
+TEST_F(DecoderOnGpu, PrefillThatCannotBeCapturedStaysEager) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  ToyModel model(gpu);
+  ToyModel reference(gpu);
+  DecoderOptions options = toy_options(1, 32, true);
+  options.warmup_iters = 1;
+  options.reset_cache = [&model] { model.length.zero_(); };
+  Decoder decoder(
+      [&model](const DecodeInputs& in) { return model.step(in); },
+      [&model](const at::Tensor& ids, const at::Tensor& mask, const at::Tensor& pos) {
+        (void)ids.sum().item<int64_t>();  // a host read: breaks capture
+        return model.prefill(ids, mask, pos);
+      },
+      options, gpu);
+  options.use_graphs = false;
+  Decoder eager = toy_decoder(reference, options, gpu);
+  const at::Tensor ids = at::ones({1, 3}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  for (int request = 0; request < 3; ++request) {
+    EXPECT_TRUE(at::equal(decoder.generate(ids, at::Tensor(), 8).tokens,
+                          eager.generate(ids, at::Tensor(), 8).tokens));
+  }
+  EXPECT_TRUE(prefill_rows(decoder).empty());
 }
 
 }  // namespace

@@ -85,3 +85,151 @@ def test_bad_decoder_options_name_the_limit():
         graphed.Decoder(model, max_batch=8, max_len=16, buckets=[1, 2])
     with pytest.raises(graphed.GraphedError, match="at least one byte"):
         graphed.Decoder(model, max_batch=2, max_len=16, memory_budget="0GiB")
+
+
+class _OpCounter:
+    """Counts the ATen operators that would launch a kernel on a GPU (views,
+    allocations and metadata ops do not) -- a CPU proxy for the kernels of a
+    decode graph (Note [Fewer kernels per token])."""
+
+    _FREE = ("empty", "empty_like", "empty_strided", "lift_fresh", "detach", "alias")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name.split("::")[-1]
+                if not func.is_view and name not in _OpCounter._FREE:
+                    counter.ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.ops = []
+
+    def __enter__(self):
+        self.ops = []
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _fixed_logits_decoder(eos, do_sample=False, vocab=32):
+    logits = torch.zeros(4, 1, vocab)
+    logits[:, 0, 3] = 1.0  # never an eos token below
+    fixed = lambda args: logits[: args[0].shape[0]]  # noqa: E731  (a view: no operator)
+    return graphed._C.Decoder(
+        step=fixed, prefill=fixed, reset=lambda: None, max_batch=4, max_len=256, buckets=[],
+        do_sample=do_sample, temperature=1.0, top_k=0, top_p=1.0, min_tokens_to_keep=1,
+        eos_token_ids=eos, pad_token_id=0 if eos else None, check_every=1000,
+        memory_budget=None, warmup=2, use_graphs=False, capture_error_mode="global",
+        device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("eos, most", [([], 3), ([7], 11), ([7, 8], 12)])
+def test_a_greedy_decode_step_launches_few_kernels(eos, most):
+    """The token selection of one decode step, counted on the CPU: greedy
+    without eos is argmax_out, index_copy_, add_; eos tokens add the
+    min_new_tokens suppression and the finished-row bookkeeping. More
+    operators here are more kernels in every decode graph."""
+    decoder = _fixed_logits_decoder(eos)
+    ids = torch.ones(4, 3, dtype=torch.long)
+    counts = {}
+    for new_tokens in (20, 36):
+        decoder.generate(ids, None, new_tokens, 0, None)  # shapes seen once
+        with _OpCounter() as counter:
+            tokens, steps, _ = decoder.generate(ids, None, new_tokens, 0, None)
+        assert steps == new_tokens and bool((tokens == 3).all())
+        counts[new_tokens] = counter.ops
+    per_step = (len(counts[36]) - len(counts[20])) / 16
+    assert per_step == int(per_step), (counts[20], counts[36])
+    assert per_step <= most, counts[36][len(counts[20]):][:int(per_step)]
+
+
+def test_a_request_outside_its_decode_steps_launches_few_kernels():
+    """Everything of a request but its decode steps -- the prefill body (state
+    set-up and first token) and the host's copies -- stays small: the prefill
+    graph replaces all but the prompt copy (Note [The decode loop])."""
+    decoder = _fixed_logits_decoder([7])
+    ids = torch.ones(4, 3, dtype=torch.long)
+    decoder.generate(ids, None, 1, 0, None)
+    with _OpCounter() as counter:
+        decoder.generate(ids, None, 1, 0, None)
+    # Prompt copy; in the prefill body: positions copy, mask fill, counters
+    # zero, finished, done; the selection; the result's read and clone.
+    assert len(counter.ops) <= 20, counter.ops
+
+
+class _NoHostReads:
+    """Fails on any operator that reads a device value on the host (what
+    breaks a CUDA graph capture): .item(), bool(tensor), nonzero..."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name.split("::")[-1]
+                assert name not in ("_local_scalar_dense", "is_nonzero", "item", "nonzero",
+                                    "equal", "unique", "_unique2"), f"host read: {func}"
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_adapters_prefill_and_step_read_nothing_on_the_host(arch, padded):
+    """Note [A capturable prefill]: the HF adapter's prefill (with and without
+    left padding) and decode step make no host reads, so they can be captured;
+    and the prefill's logits are transformers' own."""
+    from graphed.generate import _StaticCacheModel
+
+    model = tiny_model(arch)
+    ids, mask = left_padded_prompts(2, 6, model.config.vocab_size, "cpu")
+    if not padded:
+        mask = torch.ones_like(mask)
+    positions = graphed._C.prompt_positions(mask)
+    adapter = _StaticCacheModel(model, 2, 16)
+    with torch.no_grad():
+        adapter.reset()
+        with _NoHostReads():
+            logits = adapter.prefill((ids, mask if padded else None, positions))
+        adapter.reset()
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1:]
+        assert torch.allclose(logits, want, atol=1e-5, rtol=1e-4)
+        adapter.reset()
+        adapter.prefill((ids, mask if padded else None, positions))
+        step_mask = torch.ones(2, 16, dtype=torch.long)
+        step_mask[:, :6] = mask
+        with _NoHostReads():
+            adapter.step((ids[:, -1:], positions[:, -1:] + 1, step_mask))
+
+
+def test_one_decoder_serves_shapes_batches_and_min_new_tokens_like_hf():
+    """One decoder, requests whose prefill shapes, live rows and min_new_tokens
+    change from one to the next (the values the host writes only on change)."""
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
+    free = hf_static_generate(model, *left_padded_prompts(2, 5, vocab, "cpu"), 12,
+                              max_cache_len=32, eos_token_id=None)
+    eos = int(free[0, 5 + 2])
+    decoder = graphed.Decoder(model, max_batch=4, max_len=32, eos_token_id=eos, pad_token_id=0)
+    for batch, length, min_new in [(2, 5, 0), (2, 5, 6), (4, 5, 6), (1, 7, 0), (2, 5, 0),
+                                   (4, 3, 2)]:
+        ids, mask = left_padded_prompts(batch, length, vocab, "cpu")
+        want = hf_static_generate(model, ids, mask, 12, max_cache_len=32, eos_token_id=eos,
+                                  pad_token_id=0, min_new_tokens=min_new)
+        got = decoder.generate(ids, mask, max_new_tokens=12, min_new_tokens=min_new)
+        assert torch.equal(got, want), (batch, length, min_new)
+    assert all(r["kind"] == "decode" for r in decoder.memory_report())  # no graphs on the CPU

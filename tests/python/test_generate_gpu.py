@@ -25,7 +25,7 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
     got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=40, max_cache_len=64)
     assert torch.equal(got, want)
     decoder = model.__dict__["_graphed_decoder"]
-    report = {r["batch"]: r for r in decoder.memory_report()}
+    report = {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
     assert report[batch]["captured"] and report[batch]["replays"] == 39
 
 
@@ -59,7 +59,7 @@ def test_capturing_every_bucket_is_fast_and_reports_memory():
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     report = decoder.memory_report()
-    assert [r["batch"] for r in report] == [1, 2, 4, 8, 16, 32]
+    assert [(r["kind"], r["batch"]) for r in report] == [("decode", b) for b in (1, 2, 4, 8, 16, 32)]
     assert all(r["captured"] and r["kernels"] > 0 and r["graph_bytes"] >= 0 for r in report)
     assert report[-1]["graph_bytes"] > 0  # the largest, captured first, creates the pool
     assert elapsed < 1.0, report
@@ -70,7 +70,8 @@ def test_memory_budget_keeps_the_bucket_in_use():
     decoder = graphed.Decoder(model, max_batch=4, max_len=32, memory_budget=1, capture=False)
     for batch in (1, 4, 2):
         decoder.generate(torch.ones(batch, 3, dtype=torch.long, device="cuda"), max_new_tokens=4)
-    captured = [r["batch"] for r in decoder.memory_report() if r["captured"]]
+    captured = [r["batch"] for r in decoder.memory_report()
+                if r["captured"] and r["kind"] == "decode"]
     assert captured == [2]
     assert sum(r["evictions"] for r in decoder.memory_report()) >= 1
 
@@ -136,3 +137,75 @@ def test_batch_above_the_largest_bucket_is_refused_before_capture():
     with pytest.raises(graphed.GraphedError, match="max_batch >= 5"):
         decoder.generate(torch.ones(5, 3, dtype=torch.long, device="cuda"), max_new_tokens=4)
     assert not any(r["captured"] for r in decoder.memory_report())
+
+
+def _prefill_rows(decoder):
+    return [r for r in decoder.memory_report() if r["kind"] == "prefill"]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("batch, padded", [(1, False), (8, True), (8, False)])
+def test_greedy_tokens_equal_hf_static_with_the_prefill_graph(arch, batch, padded):
+    """The first `warmup` requests of a shape prefill eagerly, the next one
+    captures the prefill and later ones replay it: every request's tokens are
+    HF's StaticCache tokens (with and without left padding, which take
+    different attention paths: Note [A capturable prefill])."""
+    model = tiny_model(arch, "cuda")
+    ids, mask = left_padded_prompts(batch, 9, model.config.vocab_size, "cuda")
+    if not padded:
+        mask = torch.ones_like(mask)
+        ids = ids.clamp(min=1)
+    want = hf_static_generate(model, ids, mask, 40, max_cache_len=64)
+    decoder = graphed.Decoder(model, max_batch=8, max_len=64, warmup=2)
+    for request in range(1, 5):
+        got = decoder.generate(ids, mask, max_new_tokens=40)
+        assert torch.equal(got, want), request
+        rows = _prefill_rows(decoder)
+        if request <= 2:
+            assert rows == [], request
+        else:
+            assert len(rows) == 1
+            row = rows[0]
+            assert (row["batch"], row["prompt_len"], row["padded"]) == (batch, 9, padded)
+            assert row["captured"] and row["kernels"] > 0 and row["graph_bytes"] >= 0
+            assert row["replays"] == request - 2 and row["capture_ms"] > 0
+
+
+def test_prefill_graph_reads_new_prompts_and_min_new_tokens():
+    """A captured prefill reads each request's prompt from its static buffers,
+    and the eos thresholds the host rewrites only when min_new_tokens changes."""
+    model = tiny_model("llama", "cuda")
+    vocab = model.config.vocab_size
+    decoder = graphed.Decoder(model, max_batch=8, max_len=64, warmup=1, eos_token_id=5,
+                              pad_token_id=0)
+    for seed, min_new in [(1, 0), (2, 0), (3, 8), (4, 8), (5, 0), (6, 20)]:
+        ids, mask = left_padded_prompts(8, 6, vocab, "cuda", seed=seed)
+        want = hf_static_generate(model, ids, mask, 30, max_cache_len=64, eos_token_id=5,
+                                  pad_token_id=0, min_new_tokens=min_new)
+        assert torch.equal(decoder.generate(ids, mask, max_new_tokens=30,
+                                            min_new_tokens=min_new), want), seed
+    assert _prefill_rows(decoder)[0]["replays"] == 5
+
+
+def test_prefill_graphs_are_bounded_and_count_in_the_memory_report():
+    model = tiny_model("llama", "cuda")
+    decoder = graphed.Decoder(model, max_batch=2, max_len=64, warmup=1, prefill_graphs=2)
+    for length in (4, 5, 6):
+        for _ in range(2):
+            ids = torch.randint(1, 100, (2, length), device="cuda")
+            want = hf_static_generate(model, ids, torch.ones_like(ids), 8, max_cache_len=64)
+            assert torch.equal(decoder.generate(ids, max_new_tokens=8), want), length
+    rows = {r["prompt_len"]: r for r in _prefill_rows(decoder)}
+    assert sorted(rows) == [4, 5, 6]
+    assert not rows[4]["captured"] and rows[4]["evictions"] == 1
+    assert rows[5]["captured"] and rows[6]["captured"]
+    assert decoder.pool_bytes() >= sum(r["graph_bytes"] for r in rows.values() if r["captured"])
+
+
+def test_prefill_graphs_off_keeps_prefills_eager():
+    model = tiny_model("gpt2", "cuda")
+    decoder = graphed.Decoder(model, max_batch=1, max_len=32, warmup=1, prefill_graphs=0)
+    ids = torch.randint(1, 100, (1, 5), device="cuda")
+    for _ in range(3):
+        decoder.generate(ids, max_new_tokens=4)
+    assert _prefill_rows(decoder) == []
