@@ -13,6 +13,7 @@
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
 #include "graphed/decoder.h"
+#include "graphed/fp8_scaling.h"
 #include "graphed/grad_guard.h"
 #include "graphed/graph.h"
 #include "graphed/graph_entry.h"
