@@ -31,24 +31,33 @@ VOCAB, LAYERS, WIDTH, HEADS, BATCH, LENGTH = 8192, 6, 384, 6, 8, 128
 QUICK_STEPS = 12
 
 
+def gpt2_config(layers: int = LAYERS, width: int = WIDTH, heads: int = HEADS,
+                vocab: int = VOCAB, length: int = LENGTH):
+    """The benchmark's GPT-2 config (no dropout, no cache); bench/integrations_lightning.py
+    trains the same model."""
+    import transformers
+
+    return transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+        n_positions=max(length, 128), bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+
+
 def gpt2_model(seed: int = 0):
     """The benchmark's GPT-2, random init from its config, on the GPU."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(
-        n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=VOCAB, n_positions=LENGTH,
-        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        use_cache=False)
-    return transformers.GPT2LMHeadModel(config).cuda()
+    return transformers.GPT2LMHeadModel(gpt2_config()).cuda()
 
 
 class TokenDataset(torch.utils.data.Dataset):
     """Random tokens (labels = inputs), generated once from a seed."""
 
-    def __init__(self, count: int, seed: int = 1) -> None:
+    def __init__(self, count: int, seed: int = 1, length: int = LENGTH,
+                 vocab: int = VOCAB) -> None:
         generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (count, LENGTH), generator=generator)
+        self.ids = torch.randint(0, vocab, (count, length), generator=generator)
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -12,11 +12,16 @@ imports CPU-only (lightning and transformers are imported when it runs).
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from integrations_hf import TokenDataset, gpt2_config  # noqa: E402  (the same model and data)
 
 LAYERS, WIDTH, HEADS, VOCAB, BATCH, LENGTH = 6, 384, 6, 8192, 8, 128
 
@@ -26,17 +31,13 @@ def gpt2_module(lr: float = 1e-4, seed: int = 0, layers: int = LAYERS, width: in
     """A LightningModule around GPT2LMHeadModel from its config, logging its
     loss with ``self.log`` as Lightning users do."""
     import lightning.pytorch as pl
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     class LitGPT(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(seed)
-            config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
-                                n_positions=max(length, 128), resid_pdrop=0.0, embd_pdrop=0.0,
-                                attn_pdrop=0.0, use_cache=False, bos_token_id=0,
-                                eos_token_id=0)
-            self.model = GPT2LMHeadModel(config)
+            self.model = GPT2LMHeadModel(gpt2_config(layers, width, heads, vocab, length))
 
         def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             loss = self.model(**batch).loss
@@ -49,23 +50,11 @@ def gpt2_module(lr: float = 1e-4, seed: int = 0, layers: int = LAYERS, width: in
     return LitGPT()
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, count: int, length: int, vocab: int, seed: int = 1) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab, (count, length), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def token_loader(steps: int, batch: int = BATCH, length: int = LENGTH,
                  vocab: int = VOCAB) -> torch.utils.data.DataLoader:
     """``steps`` batches of random tokens (labels = inputs), the same each call."""
-    return torch.utils.data.DataLoader(_Tokens(steps * batch, length, vocab), batch_size=batch,
-                                       pin_memory=True, drop_last=True)
+    return torch.utils.data.DataLoader(TokenDataset(steps * batch, length=length, vocab=vocab),
+                                       batch_size=batch, pin_memory=True, drop_last=True)
 
 
 def _timer_callback(warmup: int, window: int) -> Any:
