@@ -31,8 +31,8 @@ if(NOT _graphed_toolkit_math_include)
             PATH_SUFFIXES include)
 endif()
 
-# graphed compiles no device code; TorchConfig still wants target architectures:
-# Hopper, with PTX for newer GPUs.
+# TorchConfig wants target architectures: Hopper, with PTX for newer GPUs (the
+# same targets graphed compiles its own kernels for, CMAKE_CUDA_ARCHITECTURES).
 if(NOT TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
   set(TORCH_CUDA_ARCH_LIST "9.0+PTX")
 endif()

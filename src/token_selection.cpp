@@ -7,7 +7,10 @@
 
 #include "graphed/check.h"
 
+#include "device/token_selection_kernel.h"
+
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <limits>
@@ -36,6 +39,62 @@ at::Tensor top_p_filter(const at::Tensor& scores, double top_p, int64_t min_toke
   return scores.masked_fill(remove, kMinusInfinity);
 }
 
+std::optional<device::ScoreType> fused_score_type(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return device::ScoreType::kFloat32;
+    case at::kBFloat16:
+      return device::ScoreType::kBFloat16;
+    case at::kHalf:
+      return device::ScoreType::kFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+// Whether the fused kernel (Note [One kernel picks the tokens]) can take
+// these scores and this state: CUDA tensors of the layouts it indexes.
+bool fused_selection_applies(const at::Tensor& scores, const DecodeState& state,
+                             const at::Tensor& eos) {
+  const auto contiguous_rows = [](const at::Tensor& t) { return t.dim() < 2 || t.stride(-1) == 1; };
+  return scores.is_cuda() && fused_score_type(scores.scalar_type()) && scores.stride(-1) == 1 &&
+         state.arrivals.defined() && state.arrivals.is_cuda() && state.tokens.stride(1) == 1 &&
+         contiguous_rows(state.next) && state.counters.is_contiguous() &&
+         state.finished.is_contiguous() &&
+         (!state.eos_threshold.defined() || state.eos_threshold.is_contiguous()) &&
+         (!eos.defined() || eos.is_contiguous());
+}
+
+void fused_greedy_step(const at::Tensor& scores, DecodeState& state, const at::Tensor& eos,
+                       bool suppress_eos, std::optional<int64_t> pad_token_id) {
+  device::GreedyStep step;
+  step.scores = scores.data_ptr();
+  step.score_type = *fused_score_type(scores.scalar_type());
+  step.batch = scores.size(0);
+  step.vocab = scores.size(1);
+  step.score_row_stride = scores.stride(0);
+  if (suppress_eos) {
+    step.eos_threshold = state.eos_threshold.data_ptr<int64_t>();
+  }
+  if (eos.defined() && eos.numel() > 0) {
+    step.eos = eos.data_ptr<int64_t>();
+    step.eos_count = eos.numel();
+    step.finished = state.finished.data_ptr<bool>();
+    step.done = state.done.data_ptr<bool>();
+  }
+  step.has_pad_token = pad_token_id.has_value();
+  step.pad_token_id = pad_token_id.value_or(0);
+  step.next = state.next.data_ptr<int64_t>();
+  step.next_row_stride = state.next.stride(0);
+  step.tokens = state.tokens.data_ptr<int64_t>();
+  step.tokens_row_stride = state.tokens.stride(0);
+  step.counters = state.counters.data_ptr<int64_t>();
+  step.counter_count = state.counters.numel();
+  step.arrivals = reinterpret_cast<unsigned int*>(state.arrivals.data_ptr<int32_t>());
+  GRAPHED_CHECK_CUDA(device::launch_greedy_step(
+      step, c10::cuda::getCurrentCUDAStream(scores.device().index()).stream()));
+}
+
 }  // namespace
 
 at::Tensor prompt_positions(const at::Tensor& attention_mask) {
@@ -58,6 +117,9 @@ DecodeState make_decode_state(int64_t batch, int64_t capacity, c10::Device devic
   state.step = state.counters.narrow(0, 0, 1);
   state.generated = state.counters.narrow(0, 1, 1);
   state.done = at::zeros({1}, bools);
+  if (device.is_cuda()) {
+    state.arrivals = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+  }
   return state;
 }
 
@@ -76,7 +138,8 @@ void suppress_eos_until(DecodeState& state, const at::Tensor& eos, int64_t vocab
 
 at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
                               const SamplingOptions& sampling, const at::Tensor& eos,
-                              std::optional<int64_t> pad_token_id) {
+                              std::optional<int64_t> pad_token_id,
+                              TokenSelectionKernels kernels) {
   // Note [Fewer kernels per token]: every operation here is a kernel in each
   // decode graph; keep their number down.
   const at::Tensor last = logits.dim() == 3 ? logits.select(1, -1) : logits;
@@ -88,16 +151,21 @@ at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
   GRAPHED_CHECK(at::isFloatingType(last.scalar_type()), "Expected floating-point logits, got ",
                 last.scalar_type(), ".");
   const bool has_eos = eos.defined() && eos.numel() > 0;
-  at::Tensor scores = last;
+  bool suppress_eos = false;
   if (has_eos && state.eos_threshold.defined()) {
     GRAPHED_CHECK(state.eos_threshold.numel() == last.size(-1), "Expected eos_threshold with one "
                   "entry per vocabulary token (", last.size(-1), "), got ",
                   state.eos_threshold.numel(), ". Call suppress_eos_until with the logits' "
                   "vocabulary size.");
-    // MinNewTokensLengthLogitsProcessor, with its host condition on the device.
-    scores = at::where(state.eos_threshold.gt(state.step), kMinusInfinity, scores);
+    suppress_eos = true;
   }
+  at::Tensor scores = last;
   if (sampling.do_sample) {
+    if (suppress_eos) {
+      // MinNewTokensLengthLogitsProcessor, with its host condition on the device.
+      scores = at::where(state.eos_threshold.gt(state.step), kMinusInfinity, scores);
+      suppress_eos = false;
+    }
     // Hugging Face: outputs.logits[:, -1].to(copy=True, dtype=torch.float32), then the warpers.
     scores = scores.to(at::kFloat);
     if (sampling.temperature != 1.0) {
@@ -113,6 +181,13 @@ at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
     const at::Tensor probs = at::softmax(scores, -1);
     const at::Tensor draws = at::empty_like(probs).exponential_(1.0);
     scores = probs.div_(draws);
+  }
+  if (kernels == TokenSelectionKernels::kFused && fused_selection_applies(scores, state, eos)) {
+    fused_greedy_step(scores, state, eos, suppress_eos, pad_token_id);
+    return state.next.select(1, 0);
+  }
+  if (suppress_eos) {
+    scores = at::where(state.eos_threshold.gt(state.step), kMinusInfinity, scores);
   }
   // Greedy: the float32 copy Hugging Face makes is exact, so the argmax of the
   // logits in their own dtype is the same token (ties: the first index, both ways).

@@ -166,6 +166,9 @@ struct DecodeState {
   at::Tensor eos_threshold;
   /// True when every row is finished: [1], bool.
   at::Tensor done;
+  /// A zeroed int32 the fused selection kernel counts its blocks in (Note
+  /// [One kernel picks the tokens]); allocated on CUDA devices only.
+  at::Tensor arrivals;
 };
 
 /// Allocates a DecodeState for `batch` rows and `capacity` tokens on `device`,
@@ -181,6 +184,18 @@ DecodeState make_decode_state(int64_t batch, int64_t capacity, c10::Device devic
 /// is empty.
 void suppress_eos_until(DecodeState& state, const at::Tensor& eos, int64_t vocab,
                         int64_t min_new_tokens);
+
+/// Which kernels select_next_tokens launches.
+enum class TokenSelectionKernels {
+  /// One fused kernel for the choice and the bookkeeping, where the tensors
+  /// are CUDA tensors it takes (float32, bfloat16 or float16 scores with
+  /// contiguous rows); the ATen sequence elsewhere. Note [One kernel picks
+  /// the tokens].
+  kFused,
+  /// Always the ATen sequence: the reference the fused kernel is tested
+  /// against.
+  kAten,
+};
 
 /// Chooses each row's next token from `logits` ([batch, vocab] or [batch, 1,
 /// vocab], any floating dtype) and records it in `state` -- all on the
@@ -199,10 +214,11 @@ void suppress_eos_until(DecodeState& state, const at::Tensor& eos, int64_t vocab
 ///    counters advance by one (generated only if some row was unfinished).
 /// Returns state.next as [batch], int64. `eos` is an int64 tensor of the eos
 /// ids on the logits' device (may be empty). For the kernels it launches see
-/// Note [Fewer kernels per token].
+/// Note [Fewer kernels per token] and TokenSelectionKernels.
 at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
                               const SamplingOptions& sampling, const at::Tensor& eos,
-                              std::optional<int64_t> pad_token_id);
+                              std::optional<int64_t> pad_token_id,
+                              TokenSelectionKernels kernels = TokenSelectionKernels::kFused);
 
 /// Which step of decoding a graph holds.
 enum class GraphKind {
