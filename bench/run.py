@@ -50,8 +50,14 @@ WORKLOADS["integrations"] = integrations.run
 import soak  # noqa: E402
 
 WORKLOADS["soak"] = soak.run
-# Run only when named: a minute or more, and it measures safety, not speed.
-OPT_IN = {"soak"}
+
+# FP8 training inside graphs (issue 17)
+import gpt_fp8  # noqa: E402
+
+WORKLOADS["gpt_fp8"] = gpt_fp8.run
+# Run only when named: soak measures safety, not speed (a minute or more);
+# gpt_fp8 trains a 400M-parameter model for minutes.
+OPT_IN = {"soak", "gpt_fp8"}
 
 
 def markdown(results) -> str:
@@ -77,6 +83,9 @@ def markdown(results) -> str:
             continue
         if name == "integrations":
             lines.extend(integrations.markdown(workload))
+            continue
+        if name == "gpt_fp8":
+            lines.extend(gpt_fp8.markdown(workload))
             continue
         if isinstance(workload.get("kernel_floor_ms"), dict):  # hf_decode: per batch
             lines.extend(hf_decode_report.markdown(workload))
