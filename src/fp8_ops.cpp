@@ -259,7 +259,7 @@ void update_delayed_scaling(const DelayedScalingTable& table, const DelayedScali
     const at::Tensor usable =
         reduced.gt(0).logical_and_(reduced.isfinite()).logical_and_(wanted.isfinite());
     table.scale.copy_(at::where(usable, wanted, table.scale));
-    at::reciprocal_out(table.scale_inv, table.scale);
+    table.scale_inv.copy_(at::reciprocal(table.scale));
     table.amax.zero_();
     table.slot.add_(1).remainder_(options.history_len);
     return;

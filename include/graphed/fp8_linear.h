@@ -113,7 +113,7 @@ class Float8WeightCache {
   at::Tensor scale_inv_;
   const void* weight_impl_ = nullptr;
   const void* weight_data_ = nullptr;
-  uint32_t weight_version_ = 0;
+  int64_t weight_version_ = 0;
   uint64_t epoch_ = 0;
   unsigned long long capture_id_ = 0;
   int64_t casts_ = 0;

@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
@@ -159,9 +160,9 @@ void expect_table_follows_delayed_scaling(c10::Device device, Float8Kernels kern
       rows[r].record_amax_value(at::tensor(steps[s][r]));
       rows[r].update_scale();
       SCOPED_TRACE("row " + std::to_string(r));
-      EXPECT_TRUE(at::equal(table.scale.cpu()[r].reshape({1}), rows[r].scale()));
-      EXPECT_TRUE(at::equal(table.scale_inv.cpu()[r].reshape({1}), rows[r].scale_inv()));
-      EXPECT_TRUE(at::equal(table.history.cpu()[r], rows[r].amax_history()));
+      EXPECT_TRUE(at::equal(table.scale.cpu()[static_cast<int64_t>(r)].reshape({1}), rows[r].scale()));
+      EXPECT_TRUE(at::equal(table.scale_inv.cpu()[static_cast<int64_t>(r)].reshape({1}), rows[r].scale_inv()));
+      EXPECT_TRUE(at::equal(table.history.cpu()[static_cast<int64_t>(r)], rows[r].amax_history()));
     }
     EXPECT_EQ(table.amax.cpu().count_nonzero().item<int64_t>(), 0);
     EXPECT_EQ(table.slot.cpu().item<int64_t>(), static_cast<int64_t>((s + 1) % 4));

@@ -108,8 +108,8 @@ def test_layers_share_one_flat_table_that_update_scales_advances():
     fp8.update_scales(model)
     for i, layer in enumerate(layers):
         want = torch.tensor([448.0, 448.0, 57344.0]) / amax[3 * i:3 * i + 3]
-        torch.testing.assert_close(layer.fp8_scale, want, rtol=0, atol=0)
-        torch.testing.assert_close(layer.fp8_scale_inv, 1 / want, rtol=1e-7, atol=0)
+        torch.testing.assert_close(layer.fp8_scale, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(layer.fp8_scale_inv, 1 / want, rtol=1e-6, atol=0)
         torch.testing.assert_close(layer.fp8_amax_history[:, 0], amax[3 * i:3 * i + 3])
         assert (layer.fp8_amax == 0).all()
     assert int(layers[0].fp8_history_slot) == 1
