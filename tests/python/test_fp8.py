@@ -33,7 +33,7 @@ def train_steps(model, steps, microbatches=1, seed=1):
             x = torch.randn(16, 32)
             loss = model(x).square().mean() / microbatches
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         fp8.update_scales(model)
         opt.step()
         losses.append(total)
