@@ -13,6 +13,8 @@
 #include "graphed/check.h"
 #include "graphed/cuda_handles.h"
 #include "graphed/decoder.h"
+#include "graphed/fp8_linear.h"
+#include "graphed/fp8_ops.h"
 #include "graphed/fp8_scaling.h"
 #include "graphed/grad_guard.h"
 #include "graphed/graph.h"

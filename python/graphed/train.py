@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from . import _C, distributed
+from . import _C, distributed, fp8
 from ._C import GraphedError
 
 logger = logging.getLogger(__name__)
@@ -351,11 +351,24 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
     # iteration] in include/graphed/training_iteration.h); these are its
     # nn.Module and torch.optim pieces. The guard puts the model's buffers
     # back after a skipped step (Note [Buffers of a skipped step]).
+    # Delayed FP8 scaling ends each step after the last backward and before
+    # the optimizer step (graphed.fp8.update_scales: one all_reduce, one
+    # kernel), inside the captured iteration. Its state is packed into the
+    # model's flat buffers now, before a capture collects them.
+    float8_scaling = fp8.has_delayed_scaling(model)
+    if float8_scaling:
+        fp8.prepare(model)
+
+    def step(found_inf: Optional[torch.Tensor]) -> None:
+        if float8_scaling:
+            fp8.update_scales(model)
+        _optimizer_step(optimizer, found_inf)
+
     core = _C.TrainingIteration(
         loss=lambda micro_batch: batch_loss(model, loss_fn, micro_batch, extra_kwargs),
         split=split_batch,
         zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
-        step=lambda found_inf: _optimizer_step(optimizer, found_inf),
+        step=step,
         params=[p for group in optimizer.param_groups for p in group["params"]],
         buffers=list(model.buffers()), microbatches=microbatches,
         skip_nonfinite=skip_nonfinite, clip_grad_norm=clip_grad_norm, loss_scaling=scaling,
@@ -449,6 +462,9 @@ class TrainStep:
                      _describe(step_fn), len(tensors))
         if hooked is not None:
             distributed.register(self)
+        # Replays change FP8 layers' weights without a version bump: each step
+        # starts a new weight-cast epoch (Note [The weight is cast once per step]).
+        self._float8 = any(fp8.float8_layers(module) for module in self.modules)
         _reset_lazy_state(self.optimizers, known)
         # Gradients the capture created (a step that drops them allocates new
         # ones in the graph's pool) hold garbage until the first step: zero them.
@@ -482,7 +498,9 @@ class TrainStep:
         model's buffers, such as BatchNorm statistics, untouched),
         clipping to ``clip_grad_norm``, the optimizer step, and the loss-scale
         update. Returns the mean loss. ``model`` may be a DistributedDataParallel
-        (see the class documentation)."""
+        (see the class documentation). A model with FP8 layers of delayed
+        scaling (:func:`graphed.fp8.convert`) gets :func:`graphed.fp8.update_scales`
+        after the last backward, before the optimizer step, inside the graph."""
         distributed.collective_capture([model])  # DDP problems first, before any other work
         iteration, guard = training_iteration(
             model, optimizer, loss_fn, sample_batch, microbatches=microbatches,
@@ -497,6 +515,8 @@ class TrainStep:
     def step(self, batch: Any) -> torch.Tensor:
         """Copies ``batch`` into the static buffers, replays the iteration and
         returns the loss (a device tensor; no host sync)."""
+        if getattr(self, "_float8", False):
+            _C.advance_float8_weight_epoch()
         return self._core.step(batch)
 
     __call__ = step

@@ -23,5 +23,7 @@ void register_advice(pybind11::module_& m);
 void register_auto(pybind11::module_& m);
 // graphed.generate and graphed.Decoder: the decode loop (decoder_bindings.cpp).
 void register_decoder(pybind11::module_& m);
+// graphed.fp8: the float8 recipe, linear function and scaling update (fp8_bindings.cpp).
+void register_fp8(pybind11::module_& m);
 
 }  // namespace graphed::python
