@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <atomic>
+#include <cstdint>
 
 namespace graphed {
 
@@ -87,10 +88,12 @@ Operand cast_operand(const at::Tensor& x, Float8Operand row, Float8Format format
   } else {
     // Fresh scales per cast: a pipelined schedule may run the next
     // microbatch's forward before this one's backward reads them.
-    const at::Tensor scales = at::empty({2}, state.amax.options());
+    // The inverse scale 16 bytes in, so that _scaled_mm can read it in place
+    // (Note [Scales aligned to 16 bytes]).
+    const at::Tensor scales = at::empty({8}, state.amax.options());
     result = cast_to_float8_current(x, format, recipe.delayed.margin, outputs,
-                                    scales.narrow(0, 0, 1), scales.narrow(0, 1, 1));
-    operand.scale_inv = scales.select(0, 1);
+                                    scales.narrow(0, 0, 1), scales.narrow(0, 4, 1));
+    operand.scale_inv = scales.select(0, 4);
   }
   operand.data = result.data;
   operand.transposed = result.transposed;
@@ -109,11 +112,21 @@ at::Tensor scaled_matmul(const at::Tensor& a, const at::Tensor& b, const at::Ten
     }
     return out.to(out_dtype);
   }
+  // Note [Scales aligned to 16 bytes]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // cuBLASLt finds no FP8 algorithm (CUBLAS_STATUS_NOT_SUPPORTED) when a scale's address is not 16-byte
+  // aligned, and the per-operand scales are elements of [3]-tensors (4-byte
+  // steps). Seen on the H200 with torch 2.11; PyTorch's async-TP hit the same
+  // (pytorch/pytorch#159957). A misaligned scale is copied to a fresh (256-byte
+  // aligned) scalar: one tiny copy kernel, captured like the rest.
+  const auto aligned = [](const at::Tensor& scale) {
+    return reinterpret_cast<uintptr_t>(scale.data_ptr()) % 16 == 0 ? scale : scale.clone();
+  };
   // _scaled_mm adds a bias in its epilogue for bfloat16 and float16 outputs
   // (a bias of the output's dtype); a float32 output gets it added after.
   const bool bias_in_product = bias && (out_dtype == at::kBFloat16 || out_dtype == at::kHalf);
   at::Tensor out = at::_scaled_mm(
-      a, b, scale_a, scale_b,
+      a, b, aligned(scale_a), aligned(scale_b),
       bias_in_product ? std::optional<at::Tensor>(bias->to(out_dtype)) : std::nullopt,
       std::nullopt, out_dtype, fast_accum);
   if (bias && !bias_in_product) {
