@@ -148,6 +148,26 @@ __device__ __forceinline__ uint32_t pack_pair(float low, float high) {
                                                         kFormat));
 }
 
+// Casts one chunk of kVector values (scaled) into two words of four FP8
+// bytes, in order, and folds their magnitudes into amax_bits: the inner step
+// of both cast kernels.
+template <__nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ void cast_chunk(const float (&values)[kVector], float scale,
+                                           unsigned int& amax_bits, uint32_t (&words)[2]) {
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const float low = values[w * 4 + p * 2];
+      const float high = values[w * 4 + p * 2 + 1];
+      amax_bits = max(amax_bits, max(magnitude_bits(low), magnitude_bits(high)));
+      word |= pack_pair<kFormat>(low * scale, high * scale) << (16 * p);
+    }
+    words[w] = word;
+  }
+}
+
 // --- the cast without a transpose: a flat loop over the elements ------------
 
 template <typename T, __nv_fp8_interpretation_t kFormat, bool kVectorized>
@@ -164,18 +184,7 @@ __global__ void __launch_bounds__(kThreads) flat_cast_kernel(Fp8Cast cast) {
       float values[kVector];
       load_chunk(input + chunk * kVector, values);
       uint32_t words[2];
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const float low = values[w * 4 + p * 2];
-          const float high = values[w * 4 + p * 2 + 1];
-          amax_bits = max(amax_bits, max(magnitude_bits(low), magnitude_bits(high)));
-          word |= pack_pair<kFormat>(low * scale, high * scale) << (16 * p);
-        }
-        words[w] = word;
-      }
+      cast_chunk<kFormat>(values, scale, amax_bits, words);
       if (cast.output != nullptr) {
         reinterpret_cast<uint2*>(cast.output)[chunk] = make_uint2(words[0], words[1]);
       }
@@ -236,18 +245,7 @@ __global__ void __launch_bounds__(kThreads) transposing_cast_kernel(Fp8Cast cast
         }
       }
       uint32_t words[2];
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const float low = values[w * 4 + p * 2];
-          const float high = values[w * 4 + p * 2 + 1];
-          amax_bits = max(amax_bits, max(magnitude_bits(low), magnitude_bits(high)));
-          word |= pack_pair<kFormat>(low * scale, high * scale) << (16 * p);
-        }
-        words[w] = word;
-      }
+      cast_chunk<kFormat>(values, scale, amax_bits, words);
       uint32_t* tile_words = reinterpret_cast<uint32_t*>(&tile[r][chunk * kVector]);
       tile_words[0] = words[0];
       tile_words[1] = words[1];
