@@ -271,6 +271,7 @@ void Decoder::capture_bucket(Bucket& bucket) {
       }
       stream_wait(caller.stream(), stream.stream());
     }
+    bucket.report.warmup_ms = elapsed_ms(started);
     state_.counters.zero_();
     reset_cache();
     GraphCaptureOptions graph_options;
@@ -476,6 +477,7 @@ bool Decoder::capture_prefill(Prefill& prefill, const Bucket& bucket) {
       body();
       stream_wait(caller.stream(), stream.stream());
     }
+    prefill.report.warmup_ms = elapsed_ms(started);
     GraphCaptureOptions graph_options;
     graph_options.pool = pool_;
     graph_options.error_mode = options_.error_mode;

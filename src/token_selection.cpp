@@ -57,8 +57,13 @@ std::optional<device::ScoreType> fused_score_type(at::ScalarType type) {
 bool fused_selection_applies(const at::Tensor& scores, const DecodeState& state,
                              const at::Tensor& eos) {
   const auto contiguous_rows = [](const at::Tensor& t) { return t.dim() < 2 || t.stride(-1) == 1; };
+  const int64_t rows = scores.size(0);
   return scores.is_cuda() && fused_score_type(scores.scalar_type()) && scores.stride(-1) == 1 &&
-         state.arrivals.defined() && state.arrivals.is_cuda() && state.tokens.stride(1) == 1 &&
+         rows <= device::kMaxSelectionRows && scores.size(1) <= device::kMaxSelectionVocab &&
+         state.arrivals.defined() && state.arrivals.is_cuda() &&
+         state.arrivals.numel() >= 1 + rows && state.partials.defined() &&
+         state.partials.numel() >= rows * device::kMaxSelectionChunks * 2 &&
+         state.tokens.stride(1) == 1 &&
          contiguous_rows(state.next) && state.counters.is_contiguous() &&
          state.finished.is_contiguous() &&
          (!state.eos_threshold.defined() || state.eos_threshold.is_contiguous()) &&
@@ -91,6 +96,7 @@ void fused_greedy_step(const at::Tensor& scores, DecodeState& state, const at::T
   step.counters = state.counters.data_ptr<int64_t>();
   step.counter_count = state.counters.numel();
   step.arrivals = reinterpret_cast<unsigned int*>(state.arrivals.data_ptr<int32_t>());
+  step.partials = state.partials.data_ptr<int32_t>();
   GRAPHED_CHECK_CUDA(device::launch_greedy_step(
       step, c10::cuda::getCurrentCUDAStream(scores.device().index()).stream()));
 }
@@ -118,7 +124,9 @@ DecodeState make_decode_state(int64_t batch, int64_t capacity, c10::Device devic
   state.generated = state.counters.narrow(0, 1, 1);
   state.done = at::zeros({1}, bools);
   if (device.is_cuda()) {
-    state.arrivals = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+    const auto ints = at::TensorOptions().dtype(at::kInt).device(device);
+    state.arrivals = at::zeros({1 + batch}, ints);
+    state.partials = at::empty({batch * device::kMaxSelectionChunks * 2}, ints);
   }
   return state;
 }

@@ -166,9 +166,13 @@ struct DecodeState {
   at::Tensor eos_threshold;
   /// True when every row is finished: [1], bool.
   at::Tensor done;
-  /// A zeroed int32 the fused selection kernel counts its blocks in (Note
-  /// [One kernel picks the tokens]); allocated on CUDA devices only.
+  /// 1 + batch zeroed int32 counters the fused selection kernel counts its
+  /// rows and blocks in (Note [One kernel picks the tokens]); allocated on
+  /// CUDA devices only.
   at::Tensor arrivals;
+  /// The fused selection kernel's per-chunk results, int32, scratch
+  /// (Note [One kernel picks the tokens]); allocated on CUDA devices only.
+  at::Tensor partials;
 };
 
 /// Allocates a DecodeState for `batch` rows and `capacity` tokens on `device`,
@@ -248,6 +252,9 @@ struct BucketReport {
   int64_t graph_bytes = 0;
   /// Wall time of warm-up and capture, in milliseconds (0 before capture).
   double capture_ms = 0.0;
+  /// The warm-up's part of capture_ms: where a compiled step compiles
+  /// (Note [A compiled decode step] in python/graphed/generate.py).
+  double warmup_ms = 0.0;
   /// Kernel nodes of its graph.
   int64_t kernels = 0;
   /// Times its graph was replayed (decode buckets: also eager steps when

@@ -84,6 +84,7 @@ py::dict report_to_python(const BucketReport& report) {
   out["captured"] = report.captured;
   out["graph_bytes"] = report.graph_bytes;
   out["capture_ms"] = report.capture_ms;
+  out["warmup_ms"] = report.warmup_ms;
   out["kernels"] = report.kernels;
   out["replays"] = report.replays;
   out["evictions"] = report.evictions;

@@ -11,6 +11,14 @@
 
 namespace graphed::device {
 
+/// Blocks one row's scores are split into, at most (Note [One kernel picks
+/// the tokens]); GreedyStep::partials holds two ints per row and chunk.
+constexpr int64_t kMaxSelectionChunks = 64;
+/// The largest batch the kernel takes (rows are the grid's y dimension).
+constexpr int64_t kMaxSelectionRows = 65535;
+/// The largest vocabulary the kernel takes (token ids kept as int).
+constexpr int64_t kMaxSelectionVocab = 2147483647;
+
 /// The element type of the scores a GreedyStep reads.
 enum class ScoreType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
@@ -43,9 +51,13 @@ struct GreedyStep {
   int64_t* counters = nullptr;
   int64_t counter_count = 0;
   bool* done = nullptr;
-  /// One zeroed uint32 the blocks count their arrivals in; the last block
-  /// sets it back to zero, so a replayed graph finds it zeroed again.
+  /// 1 + batch zeroed uint32 counters: [0] counts finished rows, [1 + r] the
+  /// blocks of row r that are done; the last to arrive zeroes each, so a
+  /// replayed graph finds them zeroed again.
   unsigned int* arrivals = nullptr;
+  /// [batch, kMaxSelectionChunks, 2] ints: each chunk's best score (its float
+  /// bits) and index, for the row's last block to combine.
+  int* partials = nullptr;
 };
 
 /// Launches the step on `stream` (capturable). Returns the launch's error.

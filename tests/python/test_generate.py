@@ -233,3 +233,47 @@ def test_one_decoder_serves_shapes_batches_and_min_new_tokens_like_hf():
         got = decoder.generate(ids, mask, max_new_tokens=12, min_new_tokens=min_new)
         assert torch.equal(got, want), (batch, length, min_new)
     assert all(r["kind"] == "decode" for r in decoder.memory_report())  # no graphs on the CPU
+
+
+@pytest.mark.parametrize("compile, needle", [
+    ("yes", "Expected compile=True, False or a dict"),
+    ({"mode": "reduce-overhead"}, "records no CUDA graphs of its own"),
+    ({"options": {"triton.cudagraphs": True}}, "records no CUDA graphs of its own"),
+    ({"fullgraph": True, "cudagraphs": True}, "got cudagraphs"),
+])
+def test_a_compile_option_that_cannot_work_is_refused(compile, needle):
+    model = tiny_model("llama")
+    with pytest.raises(graphed.GraphedError, match=needle):
+        graphed.generate(model, torch.ones(1, 3, dtype=torch.long), max_new_tokens=2,
+                         compile=compile)
+    assert "_graphed_decoder" not in model.__dict__
+    with pytest.raises(graphed.GraphedError, match=needle):
+        graphed.Decoder(model, max_batch=1, max_len=8, compile=compile)
+
+
+def test_a_compiled_decode_step_is_traced_once_per_shape_and_gives_hf_tokens():
+    # Dynamo traces the step on the CPU too; backend="eager"-like counting keeps
+    # the test fast (no Inductor code generation) and proves the compiled step,
+    # not the eager one, made the tokens.
+    traced = []
+
+    def counting_backend(graph_module, example_inputs):
+        traced.append(len(example_inputs))
+        return graph_module.forward
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_prompts(2, 6, model.config.vocab_size, "cpu")
+    want = hf_static_generate(model, ids, mask, 8, max_cache_len=20)
+    compile = {"backend": counting_backend, "dynamic": False}
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=8, max_cache_len=20,
+                           compile=compile)
+    assert torch.equal(got, want)
+    assert traced, "the decode step was not compiled"
+    first = len(traced)
+    again = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=8, max_cache_len=20,
+                             compile=compile)
+    assert torch.equal(again, want) and len(traced) == first, "a repeated request recompiled"
+    eager = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=8, max_cache_len=20)
+    assert torch.equal(eager, want)
+    assert "None" in repr(model.__dict__["_graphed_decoder"].key[-1]), \
+        "compile=False reused the compiled decoder"

@@ -209,3 +209,26 @@ def test_prefill_graphs_off_keeps_prefills_eager():
     for _ in range(3):
         decoder.generate(ids, max_new_tokens=4)
     assert _prefill_rows(decoder) == []
+
+
+def test_a_compiled_decode_step_is_captured_with_fewer_kernels_and_replays_exactly():
+    # Note [A compiled decode step]: the graph must replay what the compiled
+    # step computes eagerly, token for token, and hold fewer kernels than the
+    # eager step's graph.
+    model = tiny_model("llama", "cuda")
+    ids, mask = left_padded_prompts(2, 7, model.config.vocab_size, "cuda")
+    compiled = graphed.Decoder(model, max_batch=2, max_len=48, compile=True)
+    compiled_eagerly = graphed.Decoder(model, max_batch=2, max_len=48, compile=True,
+                                       use_graphs=False)
+    eager = graphed.Decoder(model, max_batch=2, max_len=48)
+    got = compiled.generate(ids, mask, max_new_tokens=30)
+    assert torch.equal(got, compiled_eagerly.generate(ids, mask, max_new_tokens=30))
+    want = hf_static_generate(model, ids, mask, 30, max_cache_len=48)
+    assert torch.equal(got[:, :8], want[:, :8]), "the first tokens come from the same prefill"
+
+    def decode_rows(decoder):
+        return {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
+
+    fused, unfused = decode_rows(compiled)[2], decode_rows(eager)[2]
+    assert fused["kernels"] < 0.7 * unfused["kernels"], (fused["kernels"], unfused["kernels"])
+    assert 0 < fused["warmup_ms"] < fused["capture_ms"]
