@@ -196,7 +196,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
     torch.cuda.empty_cache()
     bf16_end, fp8_end, reseeded_end = final(bf16), final(fp8), final(reseeded)
     record["losses"] = {"steps": steps, "schedule": f"linear warm-up to {PEAK_LR} over "
-                        f"{WARMUP_STEPS} steps, cosine to {PEAK_LR / 10} at step {steps}",
+                        f"{WARMUP_STEPS} steps, cosine to {PEAK_LR / 10:g} at step {steps}",
                         "bf16_first": bf16[0], "fp8_first": fp8[0],
                         "bf16_final": round(bf16_end, 5), "fp8_final": round(fp8_end, 5),
                         "bf16_other_init_final": round(reseeded_end, 5),
