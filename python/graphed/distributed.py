@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, fp8
 from ._C import GraphedError
 from .capture import _device_index, capture_stream
 
@@ -159,6 +159,18 @@ def check_ddp(model: nn.Module) -> List[str]:
             "a replay would reuse the map of the captured iteration. Build it with "
             "find_unused_parameters=False (every parameter must get a gradient), or with "
             "static_graph=True when the set of unused parameters never changes.")
+    broadcast = getattr(model, "broadcast_buffers", False)
+    ignored = getattr(model, "parameters_to_ignore", set())
+    fp8_state = [n for n in fp8.state_buffer_names(model.module) if n not in ignored]
+    if broadcast and fp8_state:
+        problems.append(
+            f"DistributedDataParallel broadcasts rank 0's buffers before every forward, "
+            f"including {len(fp8_state)} FP8 scaling buffers ({fp8_state[0]}, ...): on the "
+            "other ranks that overwrites the amaxes earlier microbatches recorded (Note [FP8 "
+            "state is not DDP's to broadcast]). Convert the model with graphed.fp8.convert "
+            "before wrapping it, or call graphed.fp8.keep_state_out_of_ddp(module) before "
+            "DistributedDataParallel(module), or turn DDP's buffer sync off "
+            "(broadcast_buffers=False; forward_sync_buffers=False on newer torch).")
     if not model.require_backward_grad_sync:
         problems.append(
             "The TrainStep is being built inside DistributedDataParallel.no_sync(): the captured "
@@ -247,9 +259,11 @@ def prepare_ddp(module: nn.Module, *, device: Optional[Any] = None, **ddp_kwargs
     """Wraps ``module`` (already on its GPU) in DistributedDataParallel so that a
     TrainStep can capture its all-reduces: built on graphed's capture stream
     (Note [Capturing collectives], point 1), with ``device_ids`` set to the
-    module's device. Other keyword arguments go to DistributedDataParallel;
-    problems (backend, NCCL environment, find_unused_parameters) are raised
-    here rather than at capture."""
+    module's device, and the FP8 scaling state of graphed.fp8 layers left out
+    of DDP's buffer broadcast (Note [FP8 state is not DDP's to broadcast]).
+    Other keyword arguments go to DistributedDataParallel; problems (backend,
+    NCCL environment, find_unused_parameters) are raised here rather than at
+    capture."""
     ddp_class = _ddp_class()
     if ddp_class is None or not torch.distributed.is_initialized():
         raise GraphedError(
@@ -267,6 +281,7 @@ def prepare_ddp(module: nn.Module, *, device: Optional[Any] = None, **ddp_kwargs
             f"prepare_ddp expected every parameter of {type(module).__name__} on cuda:{index}, "
             f"found {found}. Move the model first: module.to('cuda:{index}').")
     ddp_kwargs.setdefault("device_ids", [index])
+    fp8.keep_state_out_of_ddp(module)
     stream = capture_stream(index)
     stream.wait_stream(torch.cuda.current_stream(index))
     with torch.cuda.device(index), torch.cuda.stream(stream):

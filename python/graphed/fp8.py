@@ -37,6 +37,7 @@ from ._C import GraphedError
 logger = logging.getLogger(__name__)
 
 __all__ = ["Recipe", "Float8Linear", "SkippedLayer", "convert", "update_scales",
+           "keep_state_out_of_ddp", "state_buffer_names",
            "skipped_layers", "float8_layers"]
 
 _STATE_BUFFERS = ("fp8_amax_history", "fp8_amax", "fp8_scale", "fp8_scale_inv",
@@ -240,6 +241,7 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, *,
         logger.info("graphed.fp8.convert: %s stays in high precision: %s", layer.name,
                     layer.reason)
     _scaling_group(model)
+    keep_state_out_of_ddp(model)
     return model
 
 
@@ -353,3 +355,38 @@ def prepare(model: nn.Module) -> None:
     capture collects the model's buffers); :func:`convert` and
     :func:`update_scales` do it when needed."""
     _scaling_group(model)
+
+
+def state_buffer_names(module: nn.Module) -> List[str]:
+    """The fully qualified names, within ``module``, of its Float8Linear
+    layers' scaling buffers."""
+    return [f"{name}.{buffer}" if name else buffer
+            for name, layer in module.named_modules() if isinstance(layer, Float8Linear)
+            for buffer in _STATE_BUFFERS + ("fp8_format_max",)]
+
+
+def keep_state_out_of_ddp(module: nn.Module) -> List[str]:
+    """Tells DistributedDataParallel to leave the FP8 scaling buffers of
+    ``module``'s Float8Linear layers alone; returns their names.
+
+    Note [FP8 state is not DDP's to broadcast]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    DDP (broadcast_buffers=True, its default) copies every buffer from rank 0
+    to the other ranks before each forward. The amaxes are buffers, and each
+    rank records its own microbatches' amaxes into them during the step: the
+    broadcast before the second microbatch's forward would overwrite, on every
+    rank but 0, what its first microbatch recorded, and update_scales'
+    all_reduce(MAX) would miss it. Nor does the state need a broadcast:
+    update_scales makes it equal on every rank once per step, with one
+    all_reduce of every layer's amax together. So the buffers are listed in
+    ``module._ddp_params_and_buffers_to_ignore`` (what DDP's own
+    ``_set_params_and_buffers_to_ignore_for_model`` sets), which DDP reads
+    when it is built: :func:`convert` calls this on the model it converts,
+    and :func:`graphed.distributed.prepare_ddp` on the module it wraps;
+    :func:`graphed.distributed.check_ddp` refuses a DDP that broadcasts them."""
+    names = state_buffer_names(module)
+    if names:
+        ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+        module._ddp_params_and_buffers_to_ignore = ignored + [n for n in names
+                                                              if n not in ignored]
+    return names

@@ -163,3 +163,38 @@ def test_split_ddp_graphs_the_wrapped_module_and_rewraps_it(gloo_world):
     assert single is model.module and rewrap_single(single) is model
     plain, rewrap_plain = distributed.split_ddp(fn)
     assert plain is fn and rewrap_plain(fn) is fn
+
+
+def _float8_mlp():
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    return graphed.fp8.convert(model, graphed.fp8.Recipe(emulate=True))
+
+
+def test_fp8_state_is_left_out_of_ddps_buffer_broadcast(gloo_world):
+    # Note [FP8 state is not DDP's to broadcast]: convert() marks the buffers,
+    # so a DDP built afterwards neither broadcasts them nor is refused.
+    model = ddp(_float8_mlp())
+    state = graphed.fp8.state_buffer_names(model.module)
+    assert len(state) == 12 and "0.fp8_amax" in state and "2.fp8_scale_inv" in state
+    assert set(state) <= model.parameters_to_ignore
+    model._assign_modules_buffers()  # DDP's own list of the buffers it broadcasts
+    fp8_buffers = {id(b) for n, b in model.module.named_buffers() if n in state}
+    assert fp8_buffers and not fp8_buffers & {id(b) for b in model.modules_buffers}
+    assert not any("FP8 scaling buffers" in p for p in distributed.check_ddp(model))
+
+
+def test_a_ddp_that_broadcasts_fp8_state_is_refused_with_the_fix(gloo_world):
+    inner = _float8_mlp()
+    del inner._ddp_params_and_buffers_to_ignore  # as if converted after wrapping
+    broadcasting = ddp(inner)
+    problems = [p for p in distributed.check_ddp(broadcasting) if "FP8 scaling buffers" in p]
+    assert len(problems) == 1 and "keep_state_out_of_ddp" in problems[0], problems
+    quiet = ddp(_float8_mlp_without_marks())
+    quiet.broadcast_buffers = False  # a property over forward_sync_buffers on newer torch
+    assert not any("FP8 scaling buffers" in p for p in distributed.check_ddp(quiet))
+
+
+def _float8_mlp_without_marks():
+    model = _float8_mlp()
+    del model._ddp_params_and_buffers_to_ignore
+    return model
