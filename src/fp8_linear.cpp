@@ -30,12 +30,17 @@ namespace graphed {
 // may reuse the cast an earlier forward kept when the weight is the same
 // tensor at the same version, and:
 //   - the same capture made it (the CUDA capture id of the stream), or both
-//     run eagerly. A cast kept in one graph lives in that graph's pool and is
-//     rewritten by its replays; a graph that read an eager cast would read it
-//     forever, after the optimizer changed the weight. So a captured
+//     run eagerly, or both were captured inside one Float8CastScope (Note
+//     [Weight casts shared by the graphs of a scope]): the cache key,
+//     Float8CastKey. A cast kept in one graph lives in that graph's pool and
+//     is rewritten by its replays; a graph that read an eager cast would read
+//     it forever, after the optimizer changed the weight. So a captured
 //     TrainStep with microbatches=N casts the weight in the first
-//     microbatch's forward only, and every replay does the same; separately
-//     captured graphs (make_graphed_callables, auto) each cast;
+//     microbatch's forward only, and every replay does the same;
+//     make_graphed_callables (with order= or not) casts it in the first
+//     forward graph that uses it and its later forward graphs read that
+//     cast; other separately captured graphs (auto, graphed.capture,
+//     torch.cuda.graph) each cast;
 //   - no step boundary passed in between (the epoch): replays of a captured
 //     training step change the weight without any host-side version bump,
 //     and update_scales ends a step; both advance the epoch, so an eager
@@ -45,12 +50,64 @@ namespace graphed {
 //     must not bake in a training cast.
 // Under delayed scaling the weight's scale only changes in update_scales, at
 // the step boundary, so the kept cast was made with the scale the step uses;
-// under current scaling the cast keeps its own inverse scale.
+// under current scaling the cast keeps its own inverse scale. The weight's
+// amax (its row of state.amax) is recorded by the forward that casts only; a
+// forward that reuses a cast records nothing for the weight, which changes
+// nothing: the amax of the same weight is the same number, and delayed
+// scaling merges amaxes with max until update_scales.
 // Recipe.cache_weights=False turns this off, to measure what it saves.
+
+// Note [Weight casts shared by the graphs of a scope]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Extends Note [The weight is cast once per step] to graphs captured one
+// after another, which Transformer Engine's fp8_weight_caching does with
+// is_first_microbatch. make_graphed_callables(..., order=...) captures a
+// forward graph per callable and microbatch into one pool, and its contract
+// is that they replay every step in capture order. So the first microbatch's
+// forward graph can cast the weight and the later microbatches' forward
+// graphs (and every backward graph, which reads the transposed cast saved by
+// its forward) can read that cast.
+//
+// Keying. While a Float8CastScope is active on the thread, a cast made while
+// capturing is kept under the scope (Float8CastKey::kScope, the scope's id)
+// instead of the capture id, so a later capture inside the same scope finds
+// it; the other conditions are unchanged (same weight tensor, version and
+// epoch, a training forward). An eager forward keeps the key kEager inside a
+// scope too: a graph never reads an eager cast (it would read it forever),
+// and an eager forward never reads a graph's cast (its memory is only
+// rewritten when the graph replays). Outside a scope nothing changes.
+//
+// Lifetime. The graph that casts writes the cast into memory of the pool at
+// every replay; the graphs that read it hold its address. That memory must
+// stay allocated as long as any of them can replay: were it freed, the
+// caching allocator would hand it to the next capture into that pool (a later
+// capture of the same make_graphed_callables, whose temporaries would then
+// overwrite the cast between the caster's and a reader's replay, or a later
+// capture that shares the pool). The cache alone cannot promise that: it
+// keeps one entry per layer and drops it at the next store (an eager forward,
+// the next capture elsewhere), and an autograd graph keeps only the
+// transposed cast, and only until its backward is captured. So the scope
+// records every cast captured inside it, holding the tensors of the kept
+// ones (Float8ScopeCasts), from the store on: no later capture of the scope
+// can reuse that memory. make_graphed_callables keeps the record with its
+// graphs (GraphedCallablesShared), so the casts are freed with the last of
+// those graphs, never before. That costs no memory the pool had not already
+// given them.
+//
+// Stale casts. The price of the contract is that a reader graph replayed
+// without the caster after the weights changed reads last step's cast (TE's
+// is_first_microbatch=False does that silently). make_graphed_callables
+// refuses such a replay instead (graphed_callable.cpp,
+// see Note [Readers of a shared cast replay after its caster]). The amax is
+// recorded by the caster only, as in Note [The weight is cast once per step];
+// update_scales must run after the last microbatch (as it must anyway), or
+// the readers would pair the old cast with the new inverse scale.
 
 namespace {
 
 std::atomic<uint64_t> weight_epoch{0};
+std::atomic<uint64_t> next_scope_id{1};
+thread_local Float8CastScope* active_scope = nullptr;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -154,12 +211,16 @@ struct Float8LinearFunction : public torch::autograd::Function<Float8LinearFunct
                                     /*data=*/true, /*transposed=*/weight_grad);
     Operand w8;
     const bool use_cache = cache != nullptr && recipe.cache_weights && trains;
+    // An uncached cast outside a scope needs no key (it is not kept).
+    const Float8CastKey key = use_cache || Float8CastScope::active() != nullptr
+                                  ? current_float8_cast_key(weight)
+                                  : Float8CastKey{};
     if (!use_cache ||
-        !cache->lookup(weight, input_grad, w8.data, w8.transposed, w8.scale_inv)) {
+        !cache->lookup(weight, key, input_grad, w8.data, w8.transposed, w8.scale_inv)) {
       w8 = cast_operand(weight, kFloat8Weight, Float8Format::kE4M3, state, recipe,
                         /*data=*/true, /*transposed=*/input_grad);
       if (cache != nullptr) {
-        cache->store(weight, w8.data, w8.transposed, w8.scale_inv, use_cache);
+        cache->store(weight, key, w8.data, w8.transposed, w8.scale_inv, use_cache);
       }
     }
     const at::Tensor y = scaled_matmul(x8.data, w8.data.t(), x8.scale_inv, w8.scale_inv, bias,
@@ -339,6 +400,38 @@ void validate_float8_linear_state(const Float8LinearState& state, c10::Device de
   }
 }
 
+Float8CastKey float8_cast_key(unsigned long long capture_id, uint64_t scope_id) {
+  if (capture_id == 0) {
+    return {Float8CastKey::Kind::kEager, 0};
+  }
+  if (scope_id != 0) {
+    return {Float8CastKey::Kind::kScope, scope_id};
+  }
+  return {Float8CastKey::Kind::kCapture, capture_id};
+}
+
+Float8CastKey current_float8_cast_key(const at::Tensor& weight) {
+  return float8_cast_key(capture_id_of(weight), active_scope != nullptr ? active_scope->id() : 0);
+}
+
+Float8CastScope::Float8CastScope() : id_(next_scope_id.fetch_add(1)), enclosing_(active_scope) {
+  active_scope = this;
+}
+
+Float8CastScope::~Float8CastScope() {
+  // Scopes are RAII objects of one thread, so the innermost one ends first.
+  active_scope = enclosing_;
+}
+
+Float8CastScope* Float8CastScope::active() { return active_scope; }
+
+Float8ScopeCasts& Float8CastScope::record() {
+  if (!casts_) {
+    casts_ = std::make_shared<Float8ScopeCasts>();
+  }
+  return *casts_;
+}
+
 void Float8WeightCache::clear() {
   data_ = at::Tensor();
   transposed_ = at::Tensor();
@@ -347,23 +440,48 @@ void Float8WeightCache::clear() {
   weight_data_ = nullptr;
 }
 
-bool Float8WeightCache::lookup(const at::Tensor& weight, bool need_transposed, at::Tensor& data,
-                               at::Tensor& transposed, at::Tensor& scale_inv) const {
+bool Float8WeightCache::lookup(const at::Tensor& weight, const Float8CastKey& key,
+                               bool need_transposed, at::Tensor& data, at::Tensor& transposed,
+                               at::Tensor& scale_inv) const {
   if (!data_.defined() || weight.unsafeGetTensorImpl() != weight_impl_ ||
       weight.data_ptr() != weight_data_ || weight._version() != weight_version_ ||
-      epoch_ != weight_epoch.load() || capture_id_ != capture_id_of(weight) ||
+      epoch_ != weight_epoch.load() || key_ != key ||
       (need_transposed && !transposed_.defined())) {
     return false;
   }
   data = data_;
   transposed = transposed_;
   scale_inv = scale_inv_;
+  // Note [Weight casts shared by the graphs of a scope]: the scope learns
+  // which capture reads which cast.
+  Float8CastScope* scope = Float8CastScope::active();
+  if (key.kind == Float8CastKey::Kind::kScope && scope != nullptr && scope->id() == key.id) {
+    scope->record().reads.push_back(scope_cast_);
+  }
   return true;
 }
 
-void Float8WeightCache::store(const at::Tensor& weight, at::Tensor data, at::Tensor transposed,
-                              at::Tensor scale_inv, bool keep) {
+void Float8WeightCache::store(const at::Tensor& weight, const Float8CastKey& key,
+                              at::Tensor data, at::Tensor transposed, at::Tensor scale_inv,
+                              bool keep) {
   ++casts_;
+  Float8CastScope* scope = Float8CastScope::active();
+  if (key.kind == Float8CastKey::Kind::kScope && scope != nullptr && scope->id() == key.id) {
+    // The scope holds kept casts for as long as its graphs may read them
+    // (Note [Weight casts shared by the graphs of a scope]).
+    Float8ScopeCasts& record = scope->record();
+    Float8ScopeCasts::Cast cast;
+    cast.weight = weight;
+    cast.weight_version = weight._version();
+    cast.kept = keep;
+    if (keep) {
+      cast.data = data;
+      cast.transposed = transposed;
+      cast.scale_inv = scale_inv;
+    }
+    scope_cast_ = record.casts.size();
+    record.casts.push_back(std::move(cast));
+  }
   if (!keep) {
     clear();
     return;
@@ -375,7 +493,7 @@ void Float8WeightCache::store(const at::Tensor& weight, at::Tensor data, at::Ten
   weight_data_ = weight.data_ptr();
   weight_version_ = weight._version();
   epoch_ = weight_epoch.load();
-  capture_id_ = capture_id_of(weight);
+  key_ = key;
 }
 
 void advance_float8_weight_epoch() {

@@ -6,6 +6,7 @@
 // (graph_pair.cpp). graphed_callable.cpp builds the pairs in schedule order
 // and replays them through an autograd node.
 
+#include "graphed/fp8_linear.h"
 #include "graphed/graph.h"
 #include "graphed/graph_schedule.h"
 #include "graphed/graphed_callable.h"
@@ -51,6 +52,22 @@ struct GraphedCallablesShared {
   int64_t last_position = -1;
   // Pairs whose forward replayed with autograd and whose backward has not run.
   int64_t pending_backwards = 0;
+  // The FP8 weight casts the forward graphs captured (Note [Weight casts
+  // shared by the graphs of a scope] in fp8_linear.cpp): held here so that
+  // their memory lives as long as the graphs. Null without FP8 layers.
+  std::shared_ptr<const Float8ScopeCasts> float8_casts;
+  // Per cast of float8_casts that a later forward graph reads: the weight's
+  // version when its caster last replayed
+  // (see Note [Readers of a shared cast replay after its caster]).
+  std::vector<int64_t> float8_cast_versions;
+};
+
+// A weight cast one forward graph makes and another one reads
+// (see Note [Readers of a shared cast replay after its caster]).
+struct Float8SharedCast {
+  size_t slot = 0;      // in GraphedCallablesShared::float8_cast_versions
+  at::Tensor weight;    // the weight cast
+  std::string caster;   // the description of the pair whose forward graph casts it
 };
 
 // The static buffers a pair's graphs read their inputs from. Pairs whose
@@ -84,6 +101,13 @@ struct GraphPair {
   std::vector<bool> output_differentiable;   // per output
   std::vector<at::Tensor> grad_outputs;      // per differentiable output
   std::vector<at::Tensor> grad_results;      // per grad target; undefined when unused
+  // FP8 weight casts the forward graph makes, and kept casts of earlier
+  // forward graphs it reads (GraphedPassInfo).
+  int64_t float8_weight_casts = 0;
+  int64_t float8_weight_cast_reads = 0;
+  // Of those, the casts later forward graphs read, and the ones it reads.
+  std::vector<Float8SharedCast> float8_casts_made;
+  std::vector<Float8SharedCast> float8_casts_read;
   // Replay bookkeeping, under shared->mutex.
   uint64_t generation = 0;
   bool backward_pending = false;

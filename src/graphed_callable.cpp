@@ -182,6 +182,60 @@ class GraphedBackward final : public torch::autograd::Node {
   uint64_t generation_;
 };
 
+// Note [Readers of a shared cast replay after its caster]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward graph that reads the FP8 weight cast of an earlier forward graph
+// (Note [Weight casts shared by the graphs of a scope] in fp8_linear.cpp)
+// computes with whatever that graph wrote at its last replay. Replayed in
+// order every step, that is this step's cast. Replayed without it after the
+// optimizer step (one call per step of a callable graphed with several
+// microbatches, whose calls cycle through them; a no-grad call that replays
+// the next microbatch's graph after the step), it would be last step's: the
+// silent staleness of Transformer Engine's is_first_microbatch=False. The
+// optimizer bumps the weight's version (weight._version()) on the host, so
+// each casting forward notes the versions of the weights whose casts later
+// graphs read when it replays, and a reading forward compares them with the
+// versions now and refuses to replay (ReplayOrderError, before anything ran)
+// when one changed. That costs one integer compare per shared cast and call,
+// and nothing without FP8 layers. Updates that bypass the version counter
+// (writes through `.data`) are not seen, as by the cache itself.
+void link_float8_casts(const std::vector<std::shared_ptr<GraphPair>>& pairs,
+                       const std::shared_ptr<const Float8ScopeCasts>& casts,
+                       const std::vector<std::pair<size_t, size_t>>& cast_ranges,
+                       const std::vector<std::pair<size_t, size_t>>& read_ranges,
+                       GraphedCallablesShared& shared) {
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  std::vector<size_t> caster(casts->casts.size(), kNone);
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    pairs[p]->float8_weight_casts =
+        static_cast<int64_t>(cast_ranges[p].second - cast_ranges[p].first);
+    for (size_t c = cast_ranges[p].first; c < cast_ranges[p].second; ++c) {
+      caster[c] = p;
+    }
+  }
+  std::vector<size_t> slot_of(casts->casts.size(), kNone);
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    GraphPair& reader = *pairs[p];
+    for (size_t r = read_ranges[p].first; r < read_ranges[p].second; ++r) {
+      const size_t c = casts->reads.at(r);
+      const size_t maker = caster.at(c);
+      if (maker == p || maker == kNone) {
+        continue;  // read within the graph that cast it (or a cast of no forward graph)
+      }
+      ++reader.float8_weight_cast_reads;
+      const Float8ScopeCasts::Cast& cast = casts->casts[c];
+      if (slot_of[c] == kNone) {
+        slot_of[c] = shared.float8_cast_versions.size();
+        shared.float8_cast_versions.push_back(cast.weight_version);
+        pairs[maker]->float8_casts_made.push_back(
+            {slot_of[c], cast.weight, pairs[maker]->description});
+      }
+      reader.float8_casts_read.push_back({slot_of[c], cast.weight, pairs[maker]->description});
+    }
+  }
+  shared.float8_casts = casts;
+}
+
 std::string spec_key(const Signature& signature) {
   std::ostringstream key;
   key << signature.describe();
@@ -311,7 +365,25 @@ c10::IValue GraphedCallable::call(const std::vector<c10::IValue>& inputs,
                     "before the next forward (or drop outputs you will not differentiate), "
                     "call in the order given by order=, or graph more microbatches.");
     }
+    // See Note [Readers of a shared cast replay after its caster].
+    for (const detail::Float8SharedCast& cast : pair.float8_casts_read) {
+      if (cast.weight._version() != shared.float8_cast_versions[cast.slot]) {
+        GRAPHED_THROW(ReplayOrderError, "Expected a fresh FP8 weight cast for the forward of ",
+                      pair.description, ", but the weight whose cast it reads (",
+                      describe_tensor(cast.weight), ") changed since the forward of ",
+                      cast.caster, ", which casts it once per step, last replayed (an optimizer "
+                      "step or another in-place update came in between), so this replay would "
+                      "compute with the cast of the old weight. Call every microbatch in order "
+                      "each step, starting with the first (the contract of order=), or graph "
+                      "with graphed.fp8.Recipe(cache_weights=False) so that every graph casts "
+                      "its weights itself; see docs/troubleshooting.md#fp8-shared-weight-cast. "
+                      "Nothing ran.");
+      }
+    }
     shared.last_position = position;
+    for (const detail::Float8SharedCast& cast : pair.float8_casts_made) {
+      shared.float8_cast_versions[cast.slot] = cast.weight._version();
+    }
     generation = ++pair.generation;
     if (pair.backward_pending) {
       // A forward without autograd overwrote what this pair's backward reads;
@@ -390,7 +462,10 @@ GraphedCallableStats GraphedCallable::stats() const {
 std::vector<GraphedPassInfo> GraphedCallable::graphs() const {
   std::vector<GraphedPassInfo> infos;
   for (const auto& pair : pairs_) {
-    infos.push_back({pair->microbatch, true, pair->forward.stats()});
+    GraphedPassInfo forward{pair->microbatch, true, pair->forward.stats()};
+    forward.float8_weight_casts = pair->float8_weight_casts;
+    forward.float8_weight_cast_reads = pair->float8_weight_cast_reads;
+    infos.push_back(forward);
     if (pair->has_backward) {
       infos.push_back({pair->microbatch, false, pair->backward.stats()});
     }
@@ -519,6 +594,11 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
   GraphCaptureOptions graph_options;
   graph_options.pool = shared->pool;
   graph_options.error_mode = options.error_mode;
+  // What each forward capture cast and read: [first, last) in the scope's
+  // record (Note [Weight casts shared by the graphs of a scope]).
+  std::vector<std::pair<size_t, size_t>> float8_cast_ranges(pairs.size());
+  std::vector<std::pair<size_t, size_t>> float8_read_ranges(pairs.size());
+  std::shared_ptr<const Float8ScopeCasts> float8_casts;
   try {
     c10::AutoGradMode grad_mode(true);
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(shared->device.index());
@@ -542,6 +622,11 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
       stream_wait(caller.stream(), stream.stream());
     }
     std::unordered_map<std::string, at::Tensor> grad_output_buffers;
+    // The graphs share one pool and replay in capture order, so a forward
+    // graph may read the FP8 weight casts an earlier one made (Note [Weight
+    // casts shared by the graphs of a scope]). Without FP8 layers the scope
+    // records nothing.
+    const Float8CastScope float8_scope;
     for (const GraphPass& pass : schedule.passes()) {
       GraphPair& pair = *pairs[pass.pair];
       const GraphableCallable& callable = callables[schedule.callable_of(pass.pair)];
@@ -550,11 +635,16 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
       const NvtxRange range(NvtxPhase::kCapture,
                             pair.nvtx_subject + (pass.forward ? " forward" : " backward"));
       if (pass.forward) {
+        const size_t casts = float8_scope.num_casts();
+        const size_t reads = float8_scope.num_reads();
         detail::capture_forward(callable, pair, graph_options);
+        float8_cast_ranges[pass.pair] = {casts, float8_scope.num_casts()};
+        float8_read_ranges[pass.pair] = {reads, float8_scope.num_reads()};
       } else {
         detail::capture_backward(pair, graph_options, grad_output_buffers);
       }
     }
+    float8_casts = float8_scope.casts();
   } catch (c10::Error& error) {
     snapshot.restore();
     error.add_context("Graphing changed nothing: the callables' buffers, their gradients and "
@@ -566,6 +656,10 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
     throw;
   }
   snapshot.restore();
+  if (float8_casts) {
+    detail::link_float8_casts(pairs, float8_casts, float8_cast_ranges, float8_read_ranges,
+                              *shared);
+  }
 
   for (const auto& pair : pairs) {
     pair->shared = shared;

@@ -6,15 +6,18 @@
 /// product (at::_scaled_mm), the casts fused (fp8_ops.h), per-tensor scales
 /// that are device tensors (delayed or current scaling), and the weight cast
 /// once per optimizer step however many microbatches run (Note [The weight is
-/// cast once per step]).
+/// cast once per step]), also across the graphs of one Float8CastScope
+/// (make_graphed_callables with order=).
 
 #include "graphed/fp8_scaling.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace graphed {
 
@@ -83,6 +86,117 @@ struct Float8LinearState {
 /// Throws graphed::Error when `state`'s tensors are not float32 [3] on `device`.
 void validate_float8_linear_state(const Float8LinearState& state, c10::Device device);
 
+/// Which forwards may share a kept weight cast: eager forwards share with
+/// eager ones, a capture with the same capture, and inside a Float8CastScope
+/// every capture of the scope with the others (Note [The weight is cast once
+/// per step], Note [Weight casts shared by the graphs of a scope]).
+struct Float8CastKey {
+  /// Where a cast was made.
+  enum class Kind : uint8_t {
+    /// Eagerly (no capture on the weight's current stream), scope or not.
+    kEager,
+    /// While capturing, outside any Float8CastScope: keyed by the capture.
+    kCapture,
+    /// While capturing inside a Float8CastScope: keyed by the scope.
+    kScope,
+  };
+  /// Where the cast was made.
+  Kind kind = Kind::kEager;
+  /// The CUDA capture id (kCapture) or the scope's id (kScope); 0 for kEager.
+  uint64_t id = 0;
+
+  /// Same kind and id.
+  bool operator==(const Float8CastKey& other) const {
+    return kind == other.kind && id == other.id;
+  }
+  /// Not operator==.
+  bool operator!=(const Float8CastKey& other) const { return !(*this == other); }
+};
+
+/// The key of a cast made with `capture_id` (the CUDA capture id of the
+/// weight's current stream, 0 when it is not capturing) while the scope
+/// `scope_id` is active (0: none). Eager casts are kEager whatever the scope.
+Float8CastKey float8_cast_key(unsigned long long capture_id, uint64_t scope_id);
+
+/// The key of a cast of `weight` made now on this thread: the capture of the
+/// current stream of its device and the active Float8CastScope.
+Float8CastKey current_float8_cast_key(const at::Tensor& weight);
+
+/// What the graphs captured inside one Float8CastScope cast and read: the
+/// record that keeps the casts' memory alive for as long as those graphs can
+/// replay (Note [Weight casts shared by the graphs of a scope]). Filled by
+/// Float8WeightCache while the scope is active; read-only afterwards.
+struct Float8ScopeCasts {
+  /// One weight cast captured inside the scope.
+  struct Cast {
+    /// The weight that was cast.
+    at::Tensor weight;
+    /// Its version (weight._version()) when it was cast.
+    int64_t weight_version = 0;
+    /// Whether a cache kept it for later captures (a training forward with
+    /// Recipe.cache_weights); only kept casts hold their tensors.
+    bool kept = false;
+    /// The FP8 weight (undefined when not kept).
+    at::Tensor data;
+    /// Its transpose, for the input gradient (undefined when not made or not kept).
+    at::Tensor transposed;
+    /// The inverse scale the products multiply by (undefined when not kept).
+    at::Tensor scale_inv;
+  };
+  /// Every cast captured inside the scope, in capture order.
+  std::vector<Cast> casts;
+  /// One entry per captured forward that read a kept cast of an earlier
+  /// capture instead of casting: the index of that cast in `casts`.
+  std::vector<size_t> reads;
+};
+
+/// While alive, weight casts captured on this thread are kept under this
+/// scope instead of under their capture, so graphs captured inside it one
+/// after another share one cast per weight and step: the first capture that
+/// casts a weight keeps the cast, and later captures (same weight tensor,
+/// same version, same epoch, training forwards) read it and cast nothing.
+/// Eager forwards inside the scope neither read nor leave casts for captures.
+///
+/// The contract of the graphs captured inside (make_graphed_callables opens
+/// one around its captures, whose graphs share one pool and replay every
+/// step in capture order): each step, the graph that casts replays before
+/// the graphs that read its cast; a reader replayed without it after the
+/// weights changed reads last step's cast. Keep casts() as long as any of the
+/// graphs can replay: it holds the memory they read. Scopes nest (the
+/// innermost is active) and must be destroyed on the thread that made them.
+/// See Note [Weight casts shared by the graphs of a scope].
+class Float8CastScope {
+ public:
+  /// Activates a new scope on this thread.
+  Float8CastScope();
+  /// Deactivates it (the enclosing scope, if any, is active again); the
+  /// record in casts() lives on while someone holds it.
+  ~Float8CastScope();
+  Float8CastScope(const Float8CastScope&) = delete;
+  Float8CastScope& operator=(const Float8CastScope&) = delete;
+
+  /// This scope's id: unique in the process, never 0.
+  uint64_t id() const { return id_; }
+  /// What was cast and read inside the scope; null until a capture inside
+  /// cast a weight through a Float8WeightCache.
+  const std::shared_ptr<Float8ScopeCasts>& casts() const { return casts_; }
+  /// Casts recorded so far (casts()->casts.size(), 0 without a record).
+  size_t num_casts() const { return casts_ ? casts_->casts.size() : 0; }
+  /// Reads recorded so far (casts()->reads.size(), 0 without a record).
+  size_t num_reads() const { return casts_ ? casts_->reads.size() : 0; }
+
+  /// The innermost scope active on this thread, or nullptr.
+  static Float8CastScope* active();
+
+ private:
+  friend class Float8WeightCache;
+  Float8ScopeCasts& record();
+
+  uint64_t id_;
+  Float8CastScope* enclosing_;
+  std::shared_ptr<Float8ScopeCasts> casts_;
+};
+
 /// The weight's FP8 cast kept between the microbatches of one optimizer step
 /// (Note [The weight is cast once per step]). One per layer; not thread-safe.
 class Float8WeightCache {
@@ -98,14 +212,19 @@ class Float8WeightCache {
   /// Whether a cast is kept.
   bool holds_cast() const { return data_.defined(); }
 
-  /// The cast of `weight` kept by an earlier forward of this step, or an
-  /// empty result when there is none that this call may use. Used by
+  /// The cast of `weight` kept by an earlier forward of this step under
+  /// `key` (current_float8_cast_key(weight) for a forward running now), or
+  /// false when there is none that this call may use. A read of a cast kept
+  /// under the active Float8CastScope is recorded in the scope. Used by
   /// float8_linear.
-  bool lookup(const at::Tensor& weight, bool need_transposed, at::Tensor& data,
-              at::Tensor& transposed, at::Tensor& scale_inv) const;
-  /// Keeps the cast of `weight`; float8_linear calls it after each cast.
-  void store(const at::Tensor& weight, at::Tensor data, at::Tensor transposed,
-             at::Tensor scale_inv, bool keep);
+  bool lookup(const at::Tensor& weight, const Float8CastKey& key, bool need_transposed,
+              at::Tensor& data, at::Tensor& transposed, at::Tensor& scale_inv) const;
+  /// Counts a cast of `weight` made under `key` and, when `keep`, keeps it
+  /// for later forwards (else forgets the kept one). A cast made under the
+  /// active Float8CastScope is recorded in the scope, which holds its
+  /// tensors when kept. float8_linear calls it after each cast.
+  void store(const at::Tensor& weight, const Float8CastKey& key, at::Tensor data,
+             at::Tensor transposed, at::Tensor scale_inv, bool keep);
 
  private:
   at::Tensor data_;
@@ -115,7 +234,9 @@ class Float8WeightCache {
   const void* weight_data_ = nullptr;
   int64_t weight_version_ = 0;
   uint64_t epoch_ = 0;
-  unsigned long long capture_id_ = 0;
+  Float8CastKey key_;
+  // Index of the kept cast in its scope's record (key_.kind == kScope).
+  size_t scope_cast_ = 0;
   int64_t casts_ = 0;
 };
 

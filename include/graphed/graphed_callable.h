@@ -105,6 +105,13 @@ struct GraphedPassInfo {
   /// The graph's node counts and capture time (pool figures cover the whole
   /// shared pool).
   GraphStats graph;
+  /// Forward graphs: FP8 weight casts the graph makes (graphed.fp8 layers),
+  /// and casts of an earlier forward graph of the same call it reads instead
+  /// of casting (Note [Weight casts shared by the graphs of a scope]). 0 for
+  /// backward graphs.
+  int64_t float8_weight_casts = 0;
+  /// See float8_weight_casts.
+  int64_t float8_weight_cast_reads = 0;
 };
 
 namespace detail {

@@ -59,7 +59,10 @@ class Recipe:
             ``"most_recent"``.
         grad_format: ``"e5m2"`` or ``"e4m3"`` for the output gradients.
         cache_weights: cast each weight once per optimizer step, not once per
-            microbatch (Note [The weight is cast once per step]).
+            microbatch (Note [The weight is cast once per step]): in eager
+            loops, inside one captured step, and across the microbatches'
+            graphs of ``make_graphed_callables(..., order=...)``, whose first
+            microbatch's forward graph casts for the later ones.
         fast_accum_backward: ``use_fast_accum`` for the backward products (the
             forward always uses it).
         emulate: emulate the FP8 products with float32 products (any device;

@@ -142,7 +142,12 @@ def make_graphed_callables(
             callable and microbatch (chunk-major, then microbatch, then layer),
             each pair gets its own graphs, and a callable's calls cycle through
             its microbatches. Static inputs are shared between microbatches
-            whose lifetimes do not overlap.
+            whose lifetimes do not overlap. Every step must call all
+            microbatches in that order: graphed.fp8 layers cast each
+            weight in the first microbatch's forward graph only, and the
+            later microbatches' graphs read that cast (Note [Weight casts
+            shared by the graphs of a scope]); a later microbatch replayed
+            after the weights changed without the first one raises.
         Gradients returned to autograd are never aliases of the graphs'
         memory, so accumulation over microbatches is correct (pytorch#181723).
         A module whose ``training`` flag differs from capture runs eagerly and
@@ -233,5 +238,7 @@ def graphed_core(fn: Any) -> _C.GraphedCallable:
 
 
 def graph_stats(fn: Any) -> dict:
-    """Replays, copies, eager calls with their reasons, and each graph's nodes and memory."""
+    """Replays, copies, eager calls with their reasons, and each graph's nodes and memory
+    (forward graphs also count the FP8 weight casts they make, ``fp8_weight_casts``, and the
+    casts of an earlier microbatch's graph they read, ``fp8_weight_cast_reads``)."""
     return graphed_core(fn).stats()

@@ -103,12 +103,17 @@ void register_graphed_callables(py::module_& m) {
               py::dict graph = graph_stats_to_python(info.graph);
               graph["microbatch"] = info.microbatch;
               graph["pass"] = info.forward ? "forward" : "backward";
+              if (info.forward) {
+                graph["fp8_weight_casts"] = info.float8_weight_casts;
+                graph["fp8_weight_cast_reads"] = info.float8_weight_cast_reads;
+              }
               graphs.append(graph);
             }
             out["graphs"] = graphs;
             return out;
           },
-          "Replay and copy counters, eager calls by reason, and each graph's nodes and pool.");
+          "Replay and copy counters, eager calls by reason, and each graph's nodes and pool "
+          "(forward graphs also: FP8 weight casts made and shared casts read).");
 }
 
 }  // namespace graphed::python

@@ -2,9 +2,10 @@
 // products: the recipe's parsing and checks, the forward and both gradients
 // against the products written out by hand from the casts, amax recording,
 // current scaling, the weight cache (Note [The weight is cast once per
-// step]) and the argument errors. On a GPU (Fp8LinearOnGpu): torch's
-// _scaled_mm path against the emulated one, and the weight cache inside a
-// captured graph.
+// step]), the keys and records of Float8CastScope (Note [Weight casts shared
+// by the graphs of a scope]) and the argument errors. On a GPU
+// (Fp8LinearOnGpu): torch's _scaled_mm path against the emulated one, the
+// weight cache inside a captured graph and across the graphs of a scope.
 
 #include "graphed/check.h"
 #include "graphed/fp8_linear.h"
@@ -161,6 +162,147 @@ TEST(Float8WeightCacheEmulated, CastsTheWeightOncePerVersionAndEpoch) {
   EXPECT_TRUE(at::allclose(w.grad(), cached_grad));
 }
 
+// Note [Weight casts shared by the graphs of a scope]: the keys, on any device.
+TEST(Float8CastKey, EagerForwardsCapturesAndScopesAreKeptApart) {
+  using Kind = Float8CastKey::Kind;
+  EXPECT_EQ(float8_cast_key(0, 0), (Float8CastKey{Kind::kEager, 0}));
+  // An eager forward inside a scope is still eager: it never meets a graph's cast.
+  EXPECT_EQ(float8_cast_key(0, 5), float8_cast_key(0, 0));
+  // Outside a scope, each capture keeps its own casts.
+  EXPECT_EQ(float8_cast_key(7, 0), (Float8CastKey{Kind::kCapture, 7}));
+  EXPECT_NE(float8_cast_key(7, 0), float8_cast_key(8, 0));
+  EXPECT_NE(float8_cast_key(7, 0), float8_cast_key(0, 0));
+  // Inside a scope, every capture shares the scope's casts, and no other scope's.
+  EXPECT_EQ(float8_cast_key(7, 5), (Float8CastKey{Kind::kScope, 5}));
+  EXPECT_EQ(float8_cast_key(7, 5), float8_cast_key(8, 5));
+  EXPECT_NE(float8_cast_key(7, 5), float8_cast_key(7, 6));
+  // A scope's key never equals a capture's with the same number.
+  EXPECT_NE(float8_cast_key(5, 0), float8_cast_key(9, 5));
+}
+
+TEST(Float8CastScope, NestsOnItsThreadWithUniqueIds) {
+  EXPECT_EQ(Float8CastScope::active(), nullptr);
+  const at::Tensor w = at::randn({16, 16});
+  {
+    const Float8CastScope outer;
+    EXPECT_EQ(Float8CastScope::active(), &outer);
+    EXPECT_NE(outer.id(), 0u);
+    {
+      const Float8CastScope inner;
+      EXPECT_EQ(Float8CastScope::active(), &inner);
+      EXPECT_NE(inner.id(), outer.id());
+    }
+    EXPECT_EQ(Float8CastScope::active(), &outer);
+    // A CPU tensor is never being captured: its casts stay eager in a scope.
+    EXPECT_EQ(current_float8_cast_key(w), float8_cast_key(0, 0));
+    EXPECT_EQ(outer.casts(), nullptr);  // nothing recorded, nothing allocated
+    EXPECT_EQ(outer.num_casts(), 0u);
+    EXPECT_EQ(outer.num_reads(), 0u);
+  }
+  EXPECT_EQ(Float8CastScope::active(), nullptr);
+}
+
+// The cache driven with the keys that captures 11 and 12 would have.
+TEST(Float8CastScope, CapturesOfOneScopeShareACastThatTheScopeKeepsAlive) {
+  const at::Tensor w = at::randn({16, 32}).requires_grad_();
+  const int64_t version = w._version();
+  const at::Tensor data = at::randn({16, 32});
+  const at::Tensor transposed = at::randn({32, 16});
+  const at::Tensor scale_inv = at::ones({});
+  Float8WeightCache cache;
+  at::Tensor d;
+  at::Tensor t;
+  at::Tensor s;
+  std::shared_ptr<Float8ScopeCasts> record;
+  {
+    const Float8CastScope scope;
+    const Float8CastKey first = float8_cast_key(11, scope.id());
+    const Float8CastKey second = float8_cast_key(12, scope.id());
+    EXPECT_FALSE(cache.lookup(w, first, /*need_transposed=*/true, d, t, s));
+    cache.store(w, first, data, transposed, scale_inv, /*keep=*/true);
+    ASSERT_EQ(scope.num_casts(), 1u);
+    EXPECT_EQ(scope.num_reads(), 0u);
+    // The second capture of the scope reads the first one's cast.
+    ASSERT_TRUE(cache.lookup(w, second, /*need_transposed=*/true, d, t, s));
+    EXPECT_TRUE(d.is_same(data));
+    EXPECT_TRUE(t.is_same(transposed));
+    EXPECT_TRUE(s.is_same(scale_inv));
+    ASSERT_EQ(scope.num_reads(), 1u);
+    EXPECT_EQ(scope.casts()->reads[0], 0u);
+    // Eager forwards inside the scope do not, nor captures outside it or in
+    // another scope; none of those misses is recorded.
+    EXPECT_FALSE(cache.lookup(w, float8_cast_key(0, scope.id()), false, d, t, s));
+    EXPECT_FALSE(cache.lookup(w, float8_cast_key(12, 0), false, d, t, s));
+    {
+      const Float8CastScope other;
+      EXPECT_FALSE(cache.lookup(w, float8_cast_key(12, other.id()), false, d, t, s));
+      EXPECT_EQ(other.num_reads(), 0u);
+    }
+    EXPECT_EQ(scope.num_reads(), 1u);
+    // The other conditions hold as before: a new version or a new step casts again.
+    {
+      at::NoGradGuard no_grad;
+      w.mul_(1.0);
+    }
+    EXPECT_FALSE(cache.lookup(w, second, false, d, t, s));
+    cache.store(w, second, data.clone(), transposed.clone(), scale_inv.clone(), true);
+    advance_float8_weight_epoch();
+    EXPECT_FALSE(cache.lookup(w, second, false, d, t, s));
+    // An eager cast inside the scope is not the scope's.
+    cache.store(w, float8_cast_key(0, scope.id()), data, transposed, scale_inv, true);
+    // A cast that is not kept (evaluation, cache_weights=false) is counted
+    // without holding its tensors.
+    cache.store(w, second, data.clone(), at::Tensor(), scale_inv, /*keep=*/false);
+    EXPECT_FALSE(cache.holds_cast());
+    EXPECT_EQ(scope.num_casts(), 3u);
+    record = scope.casts();
+  }
+  EXPECT_EQ(cache.casts(), 4);
+  // The record outlives the scope and the cache's entry: it holds what the
+  // graphs captured in the scope read.
+  cache.clear();
+  ASSERT_EQ(record->casts.size(), 3u);
+  EXPECT_TRUE(record->casts[0].kept);
+  EXPECT_TRUE(record->casts[0].data.is_same(data));
+  EXPECT_TRUE(record->casts[0].transposed.is_same(transposed));
+  EXPECT_TRUE(record->casts[0].weight.is_same(w));
+  EXPECT_EQ(record->casts[0].weight_version, version);
+  EXPECT_EQ(record->casts[1].weight_version, version + 1);
+  EXPECT_FALSE(record->casts[2].kept);
+  EXPECT_FALSE(record->casts[2].data.defined());
+  EXPECT_EQ(record->reads, (std::vector<size_t>{0}));
+}
+
+TEST(Float8CastScope, EagerForwardsInsideAScopeBehaveAsOutside) {
+  const at::Tensor x = at::randn({16, 32}).requires_grad_();
+  const at::Tensor w = at::randn({16, 32}).requires_grad_();
+  Float8LinearState state = fresh_state(kCpu);
+  Float8WeightCache cache;
+  const Float8CastScope scope;
+  for (int m = 0; m < 3; ++m) {
+    float8_linear(x, w, std::nullopt, state, emulated(), &cache).sum().backward();
+  }
+  EXPECT_EQ(cache.casts(), 1);  // eager microbatches still share a cast
+  EXPECT_EQ(scope.casts(), nullptr);  // and the scope records nothing of them
+}
+
+TEST(Float8WeightCacheEmulated, OnlyTheForwardThatCastsRecordsTheWeightsAmax) {
+  const at::Tensor x = at::randn({16, 32}).requires_grad_();
+  const at::Tensor w = at::randn({16, 32}).requires_grad_();
+  Float8LinearState state = fresh_state(kCpu);
+  Float8WeightCache cache;
+  float8_linear(x, w, std::nullopt, state, emulated(), &cache).sum().backward();
+  EXPECT_FLOAT_EQ(state.amax[1].item<float>(), w.detach().abs().max().item<float>());
+  state.amax.zero_();
+  // The next microbatch reads the kept cast: it records its input's and its
+  // gradient's amaxes, not the weight's (the same number, already recorded).
+  float8_linear(x, w, std::nullopt, state, emulated(), &cache).sum().backward();
+  EXPECT_EQ(cache.casts(), 1);
+  EXPECT_GT(state.amax[0].item<float>(), 0.0f);
+  EXPECT_EQ(state.amax[1].item<float>(), 0.0f);
+  EXPECT_GT(state.amax[2].item<float>(), 0.0f);
+}
+
 TEST(Float8LinearErrors, SayWhatToChange) {
   Float8LinearState state = fresh_state(kCpu);
   EXPECT_THROW_WITH(float8_linear(at::randn({16, 24}), at::randn({16, 24}), std::nullopt, state,
@@ -264,6 +406,70 @@ TEST_F(Fp8LinearOnGpu, CapturedMicrobatchesCastTheWeightOnce) {
   // After the capture an eager forward casts again (the graph's cast lives in its pool).
   float8_linear(x, w, std::nullopt, state, recipe, &cache).sum().backward();
   EXPECT_EQ(cache.casts(), 3);
+}
+
+// Note [Weight casts shared by the graphs of a scope]: two graphs captured in
+// one scope into one pool, replayed in order, the second reading the first's
+// cast; outside a scope each graph casts.
+TEST_F(Fp8LinearOnGpu, GraphsCapturedInOneScopeShareTheWeightCast) {
+  at::manual_seed(3);
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(kCuda);
+  const at::Tensor x = at::randn({64, 128}, bf16);
+  const at::Tensor w = at::randn({256, 128}, at::TensorOptions().device(kCuda)).requires_grad_();
+  Float8LinearState state = fresh_state(kCuda);
+  Float8WeightCache cache;
+  const Float8Recipe recipe{};
+  const auto uncached = [&] {
+    at::NoGradGuard no_grad;  // an evaluation forward casts and keeps nothing
+    return float8_linear(x, w, std::nullopt, state, recipe);
+  };
+  (void)float8_linear(x, w, std::nullopt, state, recipe, &cache);  // eager: warms up, keeps a cast
+  ASSERT_EQ(cache.casts(), 1);
+  GraphCaptureOptions options;
+  options.pool = new_pool();
+  at::Tensor out0;
+  at::Tensor out1;
+  Graph caster;
+  Graph reader;
+  std::shared_ptr<Float8ScopeCasts> record;
+  {
+    const Float8CastScope scope;
+    caster.capture([&] { out0 = float8_linear(x, w, std::nullopt, state, recipe, &cache); },
+                   options);
+    reader.capture([&] { out1 = float8_linear(x, w, std::nullopt, state, recipe, &cache); },
+                   options);
+    EXPECT_EQ(cache.casts(), 2);  // the eager cast was not read; the second graph cast nothing
+    EXPECT_EQ(scope.num_casts(), 1u);
+    EXPECT_EQ(scope.num_reads(), 1u);
+    record = scope.casts();
+  }
+  // One fused cast kernel fewer (delayed scaling: one kernel per cast).
+  EXPECT_EQ(caster.stats().kernels, reader.stats().kernels + 1);
+  // An eager forward now casts again and drops the cache's entry; the record
+  // still holds the graphs' cast.
+  float8_linear(x, w, std::nullopt, state, recipe, &cache).sum().backward();
+  EXPECT_EQ(cache.casts(), 3);
+  ASSERT_NE(record, nullptr);
+  EXPECT_TRUE(record->casts.at(0).data.defined());
+  for (int step = 0; step < 2; ++step) {
+    caster.replay();
+    reader.replay();
+    const at::Tensor want = uncached();
+    EXPECT_TRUE(at::equal(out0, out1)) << "step " << step;
+    EXPECT_LT(relative_error(out1, want), 1e-3) << "step " << step;
+    {
+      at::NoGradGuard no_grad;
+      w.mul_(2.0);  // the next step's weights: the caster's replay casts them
+    }
+  }
+  // Outside a scope, separately captured graphs each cast.
+  Graph first;
+  Graph second;
+  first.capture([&] { out0 = float8_linear(x, w, std::nullopt, state, recipe, &cache); }, options);
+  second.capture([&] { out1 = float8_linear(x, w, std::nullopt, state, recipe, &cache); },
+                 options);
+  EXPECT_EQ(cache.casts(), 5);
+  EXPECT_EQ(first.stats().kernels, second.stats().kernels);
 }
 
 }  // namespace

@@ -3,8 +3,10 @@ output and gradients against bf16 F.linear within the precision of the FP8
 formats; delayed scaling advancing under graph replay exactly as in eager
 steps; TrainStep.from_parts with an FP8 model giving the eager FP8 loop's
 losses; the weight cast running once per step with microbatches=4 (kernels
-counted by the profiler inside a replay); state_dict round trips on the
-GPU. The lead runs: pytest -q tests/python/test_fp8_gpu.py"""
+counted by the profiler inside a replay), and with make_graphed_callables'
+order= across the microbatches' graphs (graph stats, kernel counts,
+training equal to the uncached recipe, refreshed after each optimizer step,
+stale replays refused); state_dict round trips on the GPU. The lead runs: pytest -q tests/python/test_fp8_gpu.py"""
 
 import copy
 
@@ -213,6 +215,150 @@ def test_eager_forward_after_replays_casts_the_new_weights():
     for layer in fp8.float8_layers(reference):
         layer.weight_cache.clear()
     torch.testing.assert_close(got, reference(x), rtol=0, atol=0)
+
+
+# --- make_graphed_callables(order=...): the weight cast once per step across the
+# microbatches' graphs (Note [Weight casts shared by the graphs of a scope]).
+
+MICROBATCHES = 3
+LAYERS_PER_BLOCK = 2  # Float8Linear layers in each mlp() block
+
+
+def graphed_blocks(recipe, microbatches=MICROBATCHES, tokens=64, d=256, seed=0):
+    """Two FP8 mlp() blocks graphed with order= as one chunk of `microbatches`
+    microbatches (every forward, then every backward), and an AdamW over them.
+    Inputs are bf16 and the master weights float32, so the only casts of
+    float32 tensors are weight casts."""
+    model = fp8.convert(nn.Sequential(mlp(d, seed=seed), mlp(d, seed=seed + 1)), recipe)
+    g = torch.Generator(device="cuda").manual_seed(seed + 2)
+    samples = []
+    for _ in range(microbatches):  # chunk-major, then microbatch, then layer
+        samples.append((torch.randn(tokens, d, device="cuda", generator=g).bfloat16(),))
+        samples.append((torch.randn(tokens, d, device="cuda", generator=g).bfloat16()
+                        .requires_grad_(),))
+    order = [1] * microbatches + [-1] * microbatches
+    graphed.make_graphed_callables((model[0], model[1]), tuple(samples), order=order)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def pipeline_batches(n, microbatches=MICROBATCHES, tokens=64, d=256, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [[(torch.randn(tokens, d, device="cuda", generator=g).bfloat16(),
+              torch.randn(tokens, d, device="cuda", generator=g))
+             for _ in range(microbatches)] for _ in range(n)]
+
+
+def pipeline_step(model, opt, batch):
+    """One optimizer step in the captured order: the microbatches' forwards,
+    their backwards (oldest first), update_scales, the optimizer. Returns the
+    microbatches' outputs (clones) and the loss."""
+    opt.zero_grad(set_to_none=True)
+    outputs, losses = [], []
+    for x, y in batch:
+        out = model(x)
+        outputs.append(out.detach().clone())
+        losses.append(F.mse_loss(out.float(), y) / len(batch))
+    for loss in losses:
+        loss.backward()
+    fp8.update_scales(model)
+    opt.step()
+    return outputs, torch.stack([loss.detach() for loss in losses]).sum()
+
+
+def forward_graphs(block):
+    graphs = [g for g in graphed.graph_stats(block)["graphs"] if g["pass"] == "forward"]
+    return sorted(graphs, key=lambda g: g["microbatch"])
+
+
+@pytest.mark.parametrize("cache_weights", [True, False])
+def test_later_microbatches_forward_graphs_cast_no_weight(cache_weights):
+    model, opt = graphed_blocks(fp8.Recipe(cache_weights=cache_weights))
+    for block in model:
+        first, *later = forward_graphs(block)
+        assert len(later) == MICROBATCHES - 1
+        assert (first["fp8_weight_casts"], first["fp8_weight_cast_reads"]) == (LAYERS_PER_BLOCK, 0)
+        for graph in later:
+            if cache_weights:
+                # They read the first microbatch's casts, and lack its cast
+                # kernels (delayed scaling: one fused kernel per cast).
+                assert (graph["fp8_weight_casts"], graph["fp8_weight_cast_reads"]) == (
+                    0, LAYERS_PER_BLOCK)
+                assert graph["kernels"] == first["kernels"] - LAYERS_PER_BLOCK, graph
+            else:
+                assert (graph["fp8_weight_casts"], graph["fp8_weight_cast_reads"]) == (
+                    LAYERS_PER_BLOCK, 0)
+                assert graph["kernels"] == first["kernels"], graph
+    # The profiler sees the same in a replayed step: weight casts (the casts
+    # of float32 tensors) run once per step, not once per microbatch.
+    data = pipeline_batches(2)
+    pipeline_step(model, opt, data[0])
+    layers = len(fp8.float8_layers(model))
+    casts = weight_cast_kernels(lambda batch: pipeline_step(model, opt, batch), data[1])
+    assert casts == layers * (1 if cache_weights else MICROBATCHES)
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_shared_weight_casts_train_exactly_like_uncached_ones(scaling):
+    """Losses, gradients, weights and scaling state after a few optimizer steps
+    equal those of graphs that each cast their weights: the shared cast is
+    the same bits, made by the first microbatch's graph."""
+    data = pipeline_batches(4)
+    runs = {}
+    for cache_weights in (True, False):
+        model, opt = graphed_blocks(fp8.Recipe(scaling=scaling, cache_weights=cache_weights))
+        losses = torch.stack([pipeline_step(model, opt, batch)[1] for batch in data])
+        runs[cache_weights] = (losses, model)
+    (cached_losses, cached), (uncached_losses, uncached) = runs[True], runs[False]
+    torch.testing.assert_close(cached_losses, uncached_losses, rtol=0, atol=0)
+    for (name, got), want in zip(cached.named_parameters(), uncached.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=f"{name}.grad")
+    for (name, got), want in zip(cached.state_dict().items(), uncached.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def test_shared_weight_cast_is_refreshed_after_the_optimizer_step():
+    """Every microbatch gets the same input, so within a step every
+    microbatch's graph must compute what the first (the one that casts)
+    computes; a later graph reading last step's cast would differ once the
+    optimizer changed the weights. Each step equals the uncached graphs'."""
+    x, y = pipeline_batches(1)[0][0]
+    batch = [(x, y)] * MICROBATCHES
+    outputs = {}
+    for cache_weights in (True, False):
+        model, opt = graphed_blocks(fp8.Recipe(cache_weights=cache_weights))
+        outputs[cache_weights] = [pipeline_step(model, opt, batch)[0] for _ in range(3)]
+    for step, (cached, uncached) in enumerate(zip(outputs[True], outputs[False])):
+        for m in range(MICROBATCHES):
+            torch.testing.assert_close(cached[m], cached[0], rtol=0, atol=0,
+                                       msg=f"step {step}, microbatch {m} against the first")
+            torch.testing.assert_close(cached[m], uncached[m], rtol=0, atol=0,
+                                       msg=f"step {step}, microbatch {m} against uncached")
+        if step > 0:  # the weights (and so the casts) changed since the last step
+            assert not torch.equal(cached[0], outputs[True][step - 1][0]), step
+
+
+def test_later_microbatch_after_a_weight_change_without_the_first_is_refused():
+    """Two microbatches, then the optimizer step, on graphs of three: the next
+    call replays the third microbatch's graphs, whose cast (made by the first
+    microbatch's graph) is of the weights before the step."""
+    model, opt = graphed_blocks(fp8.Recipe())
+    data = pipeline_batches(2)
+    pipeline_step(model, opt, data[0])
+    x, y = data[1][0]
+    F.mse_loss(model(x).float(), y).backward()  # microbatch 0 only
+    out = model(x)  # microbatch 1, same weights: its cast is this step's
+    F.mse_loss(out.float(), y).backward()
+    opt.step()
+    replays = graphed.graph_stats(model[0])["forward_replays"]
+    with pytest.raises(graphed.GraphedError, match=r"Expected a fresh FP8 weight cast for the "
+                       r"forward of .*microbatch 2\).*microbatch 0\)"):
+        model(x)
+    assert graphed.graph_stats(model[0])["forward_replays"] == replays  # nothing ran
+    # Graphs that each cast their weights have no such dependency.
+    uncached, uncached_opt = graphed_blocks(fp8.Recipe(cache_weights=False))
+    F.mse_loss(uncached(x).float(), y).backward()
+    uncached_opt.step()
+    F.mse_loss(uncached(x).float(), y).backward()
 
 
 def test_state_dict_round_trip_on_the_gpu(tmp_path):
