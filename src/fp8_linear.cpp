@@ -432,6 +432,18 @@ Float8ScopeCasts& Float8CastScope::record() {
   return *casts_;
 }
 
+namespace {
+
+// The active scope when `key` names it: a cast or read to record there.
+Float8CastScope* scope_of(const Float8CastKey& key) {
+  Float8CastScope* scope = Float8CastScope::active();
+  return key.kind == Float8CastKey::Kind::kScope && scope != nullptr && scope->id() == key.id
+             ? scope
+             : nullptr;
+}
+
+}  // namespace
+
 void Float8WeightCache::clear() {
   data_ = at::Tensor();
   transposed_ = at::Tensor();
@@ -454,8 +466,7 @@ bool Float8WeightCache::lookup(const at::Tensor& weight, const Float8CastKey& ke
   scale_inv = scale_inv_;
   // Note [Weight casts shared by the graphs of a scope]: the scope learns
   // which capture reads which cast.
-  Float8CastScope* scope = Float8CastScope::active();
-  if (key.kind == Float8CastKey::Kind::kScope && scope != nullptr && scope->id() == key.id) {
+  if (Float8CastScope* scope = scope_of(key)) {
     scope->record().reads.push_back(scope_cast_);
   }
   return true;
@@ -465,8 +476,7 @@ void Float8WeightCache::store(const at::Tensor& weight, const Float8CastKey& key
                               at::Tensor data, at::Tensor transposed, at::Tensor scale_inv,
                               bool keep) {
   ++casts_;
-  Float8CastScope* scope = Float8CastScope::active();
-  if (key.kind == Float8CastKey::Kind::kScope && scope != nullptr && scope->id() == key.id) {
+  if (Float8CastScope* scope = scope_of(key)) {
     // The scope holds kept casts for as long as its graphs may read them
     // (Note [Weight casts shared by the graphs of a scope]).
     Float8ScopeCasts& record = scope->record();

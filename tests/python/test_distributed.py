@@ -170,6 +170,13 @@ def _float8_mlp():
     return graphed.fp8.convert(model, graphed.fp8.Recipe(emulate=True))
 
 
+def _float8_mlp_without_marks():
+    """As if converted after wrapping: DDP would broadcast the FP8 state."""
+    model = _float8_mlp()
+    del model._ddp_params_and_buffers_to_ignore
+    return model
+
+
 def test_fp8_state_is_left_out_of_ddps_buffer_broadcast(gloo_world):
     # Note [FP8 state is not DDP's to broadcast]: convert() marks the buffers,
     # so a DDP built afterwards neither broadcasts them nor is refused.
@@ -184,17 +191,10 @@ def test_fp8_state_is_left_out_of_ddps_buffer_broadcast(gloo_world):
 
 
 def test_a_ddp_that_broadcasts_fp8_state_is_refused_with_the_fix(gloo_world):
-    inner = _float8_mlp()
-    del inner._ddp_params_and_buffers_to_ignore  # as if converted after wrapping
-    broadcasting = ddp(inner)
+    broadcasting = ddp(_float8_mlp_without_marks())
     problems = [p for p in distributed.check_ddp(broadcasting) if "FP8 scaling buffers" in p]
     assert len(problems) == 1 and "keep_state_out_of_ddp" in problems[0], problems
     quiet = ddp(_float8_mlp_without_marks())
     quiet.broadcast_buffers = False  # a property over forward_sync_buffers on newer torch
     assert not any("FP8 scaling buffers" in p for p in distributed.check_ddp(quiet))
 
-
-def _float8_mlp_without_marks():
-    model = _float8_mlp()
-    del model._ddp_params_and_buffers_to_ignore
-    return model
