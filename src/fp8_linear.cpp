@@ -14,8 +14,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace graphed {
 
@@ -103,7 +105,24 @@ namespace graphed {
 // update_scales must run after the last microbatch (as it must anyway), or
 // the readers would pair the old cast with the new inverse scale.
 
+// Note [Token counts that are not multiples of 16]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The weight gradient is grad_output^T x input: an FP8 product whose inner
+// dimension is the token count, and FP8 tensor cores (torch._scaled_mm) need
+// every dimension a multiple of 16. Models nobody here wrote rarely oblige: a
+// ViT on 32x32 images with 8x8 patches has 17 tokens per image (16 patches
+// and the class token). Rather than refuse them, a training forward pads the
+// tokens with zero rows up to the next multiple of 16 and drops the extra
+// output rows (ATen's pad and narrow, outside the autograd function, so
+// their own backward zero-pads the output gradient). Zero rows change
+// nothing that is kept: they add nothing to the weight and bias gradients,
+// and an amax of zeros is 0, which max-merging ignores. They cost a copy of
+// the input and of the output gradient, of the layer's size. Without a
+// weight gradient nothing runs over the tokens and no padding is needed.
+
 namespace {
+
+constexpr int64_t kTokenMultiple = 16;
 
 std::atomic<uint64_t> weight_epoch{0};
 std::atomic<uint64_t> next_scope_id{1};
@@ -300,8 +319,7 @@ struct Float8LinearFunction : public torch::autograd::Function<Float8LinearFunct
 };
 
 void check_supported(const at::Tensor& input, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias, const Float8Recipe& recipe,
-                     bool weight_grad) {
+                     const std::optional<at::Tensor>& bias, const Float8Recipe& recipe) {
   GRAPHED_CHECK(weight.dim() == 2, "Expected a 2-D weight [out_features, in_features], got ",
                 weight.dim(), " dimensions ", weight.sizes(), ".");
   const int64_t out_features = weight.size(0);
@@ -340,14 +358,6 @@ void check_supported(const at::Tensor& input, const at::Tensor& weight,
                   " (compute capability ", properties->major, ".", properties->minor,
                   "). Train in bf16 on this GPU, or use Recipe(emulate=True); see ",
                   "docs/troubleshooting.md#fp8-needs-cuda.");
-  }
-  if (weight_grad) {
-    const int64_t tokens = in_features == 0 ? 0 : input.numel() / in_features;
-    GRAPHED_CHECK(tokens % 16 == 0, "Expected the number of tokens (input.numel() / ",
-                  "in_features = ", tokens, ") to be a multiple of 16 when the weight is trained ",
-                  "(the weight gradient's FP8 product runs over the tokens), got ", tokens,
-                  ". Use a batch size times sequence length divisible by 16; see ",
-                  "docs/troubleshooting.md#fp8-dims-not-multiple-of-16.");
   }
 }
 
@@ -518,10 +528,24 @@ at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight,
   const bool input_grad = grad_mode && input.requires_grad();
   const bool weight_grad = grad_mode && weight.requires_grad();
   const bool bias_grad = grad_mode && bias && bias->requires_grad();
-  check_supported(input, weight, bias, recipe, weight_grad);
+  check_supported(input, weight, bias, recipe);
   validate_float8_linear_state(state, weight.device());
-  return Float8LinearFunction::apply(input, weight, bias, state, recipe, cache, input_grad,
-                                     weight_grad, bias_grad)[0];
+  const int64_t in_features = weight.size(1);
+  const int64_t tokens = input.numel() / std::max<int64_t>(in_features, 1);
+  if (!weight_grad || tokens % kTokenMultiple == 0) {
+    return Float8LinearFunction::apply(input, weight, bias, state, recipe, cache, input_grad,
+                                       weight_grad, bias_grad)[0];
+  }
+  // Note [Token counts that are not multiples of 16]
+  const int64_t padded_tokens = (tokens / kTokenMultiple + 1) * kTokenMultiple;
+  const at::Tensor padded = at::constant_pad_nd(input.reshape({tokens, in_features}),
+                                                {0, 0, 0, padded_tokens - tokens});
+  std::vector<int64_t> output_sizes(input.sizes().begin(), input.sizes().end());
+  output_sizes.back() = weight.size(0);
+  return Float8LinearFunction::apply(padded, weight, bias, state, recipe, cache, input_grad,
+                                     weight_grad, bias_grad)[0]
+      .narrow(0, 0, tokens)
+      .view(output_sizes);
 }
 
 }  // namespace graphed

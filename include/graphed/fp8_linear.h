@@ -249,8 +249,9 @@ void advance_float8_weight_epoch();
 /// computes the input, weight and bias gradients, the products in FP8).
 /// `input` is [..., in_features] in float32, bfloat16 or float16; `weight`
 /// [out_features, in_features] (float32 master weights are fine); both
-/// feature counts multiples of 16, and the token count (input.numel() /
-/// in_features) too when the weight is trained. The output has the input's
+/// feature counts multiples of 16; a token count (input.numel() / in_features)
+/// that is not is padded with zero rows when the weight is trained (Note
+/// [Token counts that are not multiples of 16]). The output has the input's
 /// dtype, or autocast's. Delayed scaling reads `state.scale` and merges the
 /// amaxes into `state.amax`; current scaling writes `state.amax`. `cache`
 /// (optional) keeps the weight's cast between microbatches.

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 import graphed
-from graphed import distributed, workloads
+from graphed import distributed, fp8, workloads
 
 STEPS = 20
 LR = 1e-3
@@ -177,7 +177,85 @@ def scenario_refusals() -> Dict[str, Any]:
     return {"messages": messages, "weights_untouched": untouched}
 
 
+def nccl_kernels(run_step: Callable[[], Any]) -> List[str]:
+    """The NCCL kernels one call of ``run_step`` (a replay) launches, named by
+    the profiler."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_step()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("nccl")]
+
+
+def eager_fp8_ddp_losses(model: nn.Module, optimizer: torch.optim.Optimizer,
+                         batches: List[Batch], microbatches: int) -> torch.Tensor:
+    """The iteration TrainStep.from_parts(..., amp="bf16", microbatches=N)
+    captures, written out: update_scales once, after the last backward."""
+    losses = []
+    for tokens, targets in batches:
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device="cuda")
+        for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches)):
+            with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+                loss = workloads.gpt_loss(model(x), y)
+            loss = loss.float() / microbatches
+            loss.backward()
+            total = total + loss.detach()
+        fp8.update_scales(model)
+        optimizer.step()
+        losses.append(total)
+    return torch.stack(losses)
+
+
+def scenario_fp8() -> Dict[str, Any]:
+    """The GPT converted to FP8 (delayed scaling) under DDP, two microbatches
+    per step: TrainStep against the eager FP8 DDP loop; the ranks' scaling
+    state equal (one all_reduce(MAX) of every layer's amax per step, after
+    the last backward); the NCCL kernels of a replay counted against those of
+    the same model graphed in bf16."""
+    microbatches = 2
+    base = base_model()
+    batches = rank_batches(STEPS)
+    index = torch.cuda.current_device()
+    eager = DistributedDataParallel(fp8.convert(copy.deepcopy(base)), device_ids=[index])
+    eager_optimizer = graphed.make_capturable(torch.optim.AdamW(eager.parameters(), lr=LR))
+    eager_losses = eager_fp8_ddp_losses(eager, eager_optimizer, batches, microbatches)
+
+    model = distributed.prepare_ddp(fp8.convert(copy.deepcopy(base)))
+    initial = [p.detach().clone() for p in model.parameters()]
+    step = graphed.TrainStep.from_parts(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                                        workloads.gpt_loss, batches[0], amp="bf16",
+                                        microbatches=microbatches)
+    losses = torch.stack([step(batch) for batch in batches])
+    result = compare("trainstep fp8 microbatches=2", losses, eager_losses, model, eager, initial)
+
+    state_names = fp8.state_buffer_names(model.module)
+    buffers = dict(model.module.named_buffers())
+    eager_buffers = dict(eager.module.named_buffers())
+    state = torch.cat([buffers[n].detach().float().flatten() for n in state_names])
+    gathered = [torch.empty_like(state) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, state)
+    result["fp8_state_buffers"] = len(state_names)
+    result["fp8_state_ranks_agree"] = all(torch.equal(gathered[0], g) for g in gathered)
+    result["fp8_state_equals_eager"] = all(torch.equal(buffers[n], eager_buffers[n])
+                                           for n in state_names)
+    result["fp8_scales_moved"] = any(
+        not torch.all(buffers[n] == 1) for n in state_names if n.endswith("fp8_scale"))
+
+    bf16_model = distributed.prepare_ddp(copy.deepcopy(base))
+    bf16_step = graphed.TrainStep.from_parts(
+        bf16_model, torch.optim.AdamW(bf16_model.parameters(), lr=LR), workloads.gpt_loss,
+        batches[0], amp="bf16", microbatches=microbatches)
+    result["nccl_kernels_fp8"] = nccl_kernels(lambda: step(batches[1]))
+    result["nccl_kernels_bf16"] = nccl_kernels(lambda: bf16_step(batches[1]))
+    started = time.monotonic()
+    distributed.shutdown(timeout=90)
+    return {"runs": [result], "shutdown_s": time.monotonic() - started}
+
+
 SCENARIOS = {
+    "fp8": scenario_fp8,
     "trainstep": scenario_trainstep,
     "make_graphed_callables": scenario_make_graphed_callables,
     "refusals": scenario_refusals,

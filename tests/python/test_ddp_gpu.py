@@ -1,7 +1,8 @@
 """DistributedDataParallel on one and two GPUs: 20 steps of graphed.TrainStep
 (all-reduces captured) and of graphed.make_graphed_callables (all-reduces
 around the graphed backward) give eager DDP's losses and weights on every
-rank; what cannot be captured is refused before warm-up; teardown ends within
+rank; an FP8 model reduces its amaxes once per step across the ranks; what
+cannot be captured is refused before warm-up; teardown ends within
 a time limit. Each test starts one process per rank (ddp_worker.py) and fails
 when they do not all finish in time."""
 
@@ -139,6 +140,29 @@ def test_make_graphed_callables_under_ddp_equals_eager_ddp(world_size, tmp_path)
         assert "prepare_ddp" in run["plain_ddp_refusal"], run["plain_ddp_refusal"]
         assert_matches_eager(run, result["rank"])
         assert result["shutdown_s"] < 90
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="needs a GPU with FP8 tensor cores (compute capability 8.9 or newer)")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_fp8_trainstep_under_ddp_reduces_the_amaxes_once_per_step(world_size, tmp_path):
+    results = run_ranks("fp8", world_size, tmp_path)
+    for result in results:
+        run = result["runs"][0]
+        assert_matches_eager(run, result["rank"])
+        assert run["fp8_state_buffers"] > 0
+        assert run["fp8_state_equals_eager"], "the graphs advanced the FP8 state unlike eager"
+        assert run["fp8_state_ranks_agree"], "the ranks' FP8 scales differ: amaxes not reduced"
+        assert run["fp8_scales_moved"], "delayed scaling never changed a scale"
+        # One all_reduce of every layer's amax per step (update_scales, after
+        # the last microbatch's backward), not one per layer or microbatch.
+        fp8_kernels, bf16_kernels = run["nccl_kernels_fp8"], run["nccl_kernels_bf16"]
+        assert len(fp8_kernels) == len(bf16_kernels) + (world_size > 1), (
+            f"NCCL kernels of one replay: FP8 {fp8_kernels}, bf16 {bf16_kernels}")
+        assert result["shutdown_s"] < 90
+    if world_size > 1:
+        assert results[0]["runs"][0]["losses"] != results[1]["runs"][0]["losses"]
 
 
 def test_trainstep_refuses_what_ddp_capture_cannot_do_before_warmup(tmp_path):
