@@ -231,8 +231,9 @@ def scenario_fp8() -> Dict[str, Any]:
     result = compare("trainstep fp8 microbatches=2", losses, eager_losses, model, eager, initial)
 
     state_names = fp8.state_buffer_names(model.module)
-    buffers = dict(model.module.named_buffers())
-    eager_buffers = dict(eager.module.named_buffers())
+    # Every layer's history slot is one tensor: named_buffers would list it once.
+    buffers = dict(model.module.named_buffers(remove_duplicate=False))
+    eager_buffers = dict(eager.module.named_buffers(remove_duplicate=False))
     state = torch.cat([buffers[n].detach().float().flatten() for n in state_names])
     gathered = [torch.empty_like(state) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, state)
