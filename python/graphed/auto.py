@@ -17,6 +17,7 @@ from torch import nn
 
 from . import _C
 from ._progress import CaptureProgress
+from ._weak_forward import weak_forward
 
 logger = logging.getLogger(__name__)
 
@@ -206,17 +207,7 @@ def _eager_forward(module: nn.Module):
     """The module's own forward, holding the module weakly: the manager lives
     in the model, and a strong reference back from C++ would keep both alive
     (with their graphs and GPU memory) after the user drops the model."""
-    original = module.forward
-    if not (inspect.ismethod(original) and original.__self__ is module):
-        return original  # a forward set on the instance; called as it is
-    function = original.__func__
-    module_ref = weakref.ref(module)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return function(module_ref(), *args, **kwargs)
-
-    forward.__signature__ = _signature_of(original)  # type: ignore[attr-defined]
-    return forward
+    return weak_forward(module, _signature_of(module.forward))
 
 
 def _signature_of(forward: Callable[..., Any]) -> Optional[inspect.Signature]:

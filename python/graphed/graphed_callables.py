@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Unio
 import torch
 
 from . import _C, distributed
+from ._weak_forward import weak_forward
 
 PoolHandle = Tuple[int, int]
 
@@ -56,7 +57,9 @@ def _callable_spec(fn: Callable[..., Any], index: int) -> dict:
     if isinstance(fn, torch.nn.Module):
         _check_module(fn, index)
         return {
-            "function": fn.forward,
+            # Held weakly: module -> graphed forward -> core -> module would be
+            # a cycle through C++ that keeps the graphs' memory forever.
+            "function": weak_forward(fn),
             "parameters": list(fn.parameters()),
             "state": list(fn.buffers()),
             "training": fn.training,

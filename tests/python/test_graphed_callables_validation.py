@@ -64,3 +64,23 @@ def test_sample_counts_and_types_are_checked():
 def test_graph_stats_refuses_what_was_not_graphed():
     with pytest.raises(graphed.GraphedError, match="not graphed"):
         graphed.graph_stats(torch.nn.Linear(2, 2))
+
+
+def test_the_core_gets_a_forward_that_holds_the_module_weakly():
+    """module -> graphed forward -> core -> module would be a cycle through C++
+    that Python's collector cannot free (with the graphs' GPU memory)."""
+    import gc
+    import weakref
+
+    from graphed.graphed_callables import _callable_spec
+
+    module = torch.nn.Linear(4, 4)
+    forward = _callable_spec(module, 0)["function"]
+    x = torch.ones(2, 4)
+    assert torch.equal(forward(x), module(x))
+    alive = weakref.ref(module)
+    del module
+    gc.collect()
+    assert alive() is None, "the core's forward kept the module alive"
+    with pytest.raises(graphed.GraphedError, match="whose forward was graphed .* was deleted"):
+        forward(x)

@@ -1,11 +1,12 @@
 """Lifetimes and misuse on a GPU (issue 13): objects deleted while their graphs
-live, graphs alive at interpreter exit, release() twice and steps after it,
-modules moved to another dtype or given new parameters after capture (Note
-[Tensors a graph reads in place]), inputs that alias other static buffers
-(Note [Inputs that alias other static buffers]), and two threads replaying
-their own graphs at once. Where freed memory could be read, the cache is
-emptied first (torch.cuda.empty_cache()), so that scripts/gpu-check sanitize
-sees a read of memory returned to the driver."""
+live, graphed models dropped with their graphs, graphs alive at interpreter
+exit, release() twice and steps after it, modules moved to another dtype or
+given new parameters after capture (Note [Tensors a graph reads in place]),
+inputs that alias other static buffers (Note [Inputs that alias other static
+buffers]), and two threads replaying their own graphs at once. Where freed
+memory could be read, the cache is emptied first (torch.cuda.empty_cache()),
+so that scripts/gpu-check sanitize sees a read of memory returned to the
+driver."""
 
 import copy
 import gc
@@ -98,6 +99,40 @@ def test_make_graphed_callables_forward_outlives_every_other_reference():
     out.sum().backward()
     expected.sum().backward()
     torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-6, atol=1e-6)
+
+
+def graph_and_drop_a_model(api):
+    """Graphs a model with ``api``, trains it 3 steps and drops it; returns a
+    weak reference to it."""
+    import weakref
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU())
+                            for _ in range(4))).cuda()
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    if api == "make_graphed_callables":
+        graphed.make_graphed_callables(tuple(model), tuple((x,) for _ in model))
+    else:
+        graphed.auto(model, warmup=1)
+    for _ in range(3):
+        model(x).sum().backward()
+    alive = weakref.ref(model)
+    del model, x
+    collect()
+    return alive
+
+
+@pytest.mark.parametrize("api", ["make_graphed_callables", "auto"])
+def test_a_dropped_graphed_model_frees_its_graphs(api):
+    """No reference cycle through the C++ core keeps a graphed model, its
+    graphs or their pool alive once the user drops it."""
+    # The first round creates what lives for the process (cuBLAS workspaces of
+    # the streams involved); the second must give back all it took.
+    graph_and_drop_a_model(api)
+    before = torch.cuda.memory_allocated()
+    alive = graph_and_drop_a_model(api)
+    assert alive() is None, f"{api}: the model outlived every reference to it"
+    assert torch.cuda.memory_allocated() == before, (
+        f"{api}: {torch.cuda.memory_allocated() - before} bytes still allocated")
 
 
 def test_auto_block_keeps_working_after_the_model_is_deleted():
