@@ -7,12 +7,10 @@ counted by the profiler inside a replay), and with make_graphed_callables'
 order= across the microbatches' graphs (graph stats, kernel counts,
 training equal to the uncached recipe, refreshed after each optimizer step,
 stale replays refused); state_dict round trips on the GPU; token counts
-that are not multiples of 16; transformers and timm models converted to FP8
-and trained by TrainStep and auto like the eager FP8 loop. The lead runs: pytest -q tests/python/test_fp8_gpu.py"""
+that are not multiples of 16. Transformers and timm models converted to FP8:
+test_zoo_gpu.py. The lead runs: pytest -q tests/python/test_fp8_gpu.py"""
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from torch.nn import functional as F
 
 import graphed
 from graphed import fp8
-from graphed.train import batch_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -411,69 +408,3 @@ def test_token_counts_that_are_not_multiples_of_16_train_on_the_gpu():
     torch.testing.assert_close(layer.bias.grad, linear.bias.grad, rtol=1e-2, atol=1e-3)
     with torch.no_grad():
         assert layer(torch.randn(10, 256, device="cuda")).shape == (10, 512)
-
-
-# Models nobody here wrote (bench/zoo_models.py, test sizes), converted to FP8
-# as their users would: TrainStep and auto train them like the eager FP8 loop.
-ZOO_MODELS = ["hf_llama", "hf_bert", "hf_t5", "hf_vit", "timm_vit_s16"]
-
-
-def zoo_fp8(name):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-    import zoo_models
-
-    pytest.importorskip("timm" if name.startswith("timm") else "transformers")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    entry = zoo_models.build(name, "test")
-    fp8.convert(entry.model)
-    assert len(fp8.float8_layers(entry.model)) >= 4, fp8.skipped_layers(entry.model)
-    return entry
-
-
-def eager_zoo_fp8_losses(entry, model, steps):
-    optimizer = entry.make_optimizer(model)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = batch_loss(model, entry.loss_fn, entry.batch)
-        loss.backward()
-        fp8.update_scales(model)
-        optimizer.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
-
-
-@pytest.mark.parametrize("name", ZOO_MODELS)
-def test_trainstep_trains_zoo_models_in_fp8_like_eager(name):
-    entry = zoo_fp8(name)
-    reference = copy.deepcopy(entry.model)
-    fp8.prepare(reference)
-    model = entry.model
-    rng = torch.cuda.get_rng_state()
-    expected = eager_zoo_fp8_losses(entry, reference, 6)
-    torch.cuda.set_rng_state(rng)
-    step = graphed.TrainStep.from_parts(model, entry.make_optimizer(model), entry.loss_fn,
-                                        entry.batch)
-    got = torch.stack([step(entry.batch).float() for _ in range(6)])
-    torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
-    assert bool(torch.isfinite(got).all()) and got[-1] < got[0], got
-    # The graphs advanced the scaling state as the eager steps did.
-    for (key, value), want in zip(model.state_dict().items(), reference.state_dict().values()):
-        if key.endswith("fp8_history_slot"):
-            assert torch.equal(value, want), key
-
-
-@pytest.mark.parametrize("name", ZOO_MODELS)
-def test_auto_trains_zoo_models_in_fp8_like_eager(name):
-    entry = zoo_fp8(name)
-    reference = copy.deepcopy(entry.model)
-    fp8.prepare(reference)
-    model = graphed.auto(entry.model)
-    rng = torch.cuda.get_rng_state()
-    expected = eager_zoo_fp8_losses(entry, reference, 6)
-    torch.cuda.set_rng_state(rng)
-    got = eager_zoo_fp8_losses(entry, model, 6)
-    stats = graphed.auto_stats(model)
-    assert stats["fallbacks"] == [], stats["fallbacks"]
-    assert stats["replays"] > 0, stats
-    torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
