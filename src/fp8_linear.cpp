@@ -536,7 +536,7 @@ at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight,
     return Float8LinearFunction::apply(input, weight, bias, state, recipe, cache, input_grad,
                                        weight_grad, bias_grad)[0];
   }
-  // Note [Token counts that are not multiples of 16]
+  // See Note [Token counts that are not multiples of 16].
   const int64_t padded_tokens = (tokens / kTokenMultiple + 1) * kTokenMultiple;
   const at::Tensor padded = at::constant_pad_nd(input.reshape({tokens, in_features}),
                                                 {0, 0, 0, padded_tokens - tokens});
