@@ -66,12 +66,18 @@ def main(out, bench_name="h200.json"):
     print("\n## gpu-check summary\n")
     print("| tests | passed | failed | skipped |")
     print("|---|---:|---:|---:|")
-    for name, file in (("C++ (ctest)", "ctest.xml"), ("Python (pytest)", "pytest.xml")):
-        counts = junit_counts(os.path.join(out, file))
-        if counts is None:
+    for name, files in (("C++ (ctest)", ("ctest.xml",)),
+                        ("Python (pytest)", ("pytest.xml", "pytest-exclusive.xml"))):
+        found = [c for c in (junit_counts(os.path.join(out, f)) for f in files) if c is not None]
+        if not found:
             print(f"| {name} | not run | | |")
         else:
-            print(f"| {name} | {counts[0]} | {counts[1]} | {counts[2]} |")
+            passed, failed, skipped = (sum(c[i] for c in found) for i in range(3))
+            print(f"| {name} | {passed} | {failed} | {skipped} |")
+    wall = os.path.join(out, "tests_wall.txt")
+    if os.path.exists(wall):
+        with open(wall) as file:
+            print(f"\nGPU tier wall time: {file.read().strip()} s (build excluded)")
     sanitize_rows(out)
     soak = os.path.join(out, "soak.json")
     if bench_name != "soak.json" and os.path.exists(soak):

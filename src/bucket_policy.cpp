@@ -32,7 +32,8 @@ bool BucketPlan::pads() const {
 std::vector<int64_t> BucketPlan::padded_sizes(c10::IntArrayRef sizes) const {
   std::vector<int64_t> out = sizes.vec();
   for (const BucketedDim& d : dims_) {
-    if (d.dim < static_cast<int64_t>(out.size())) {
+    // A broadcast size of 1 stays: Note [Bucket padding].
+    if (d.dim < static_cast<int64_t>(out.size()) && out[d.dim] == d.size) {
       out[d.dim] = d.padded;
     }
   }
@@ -90,48 +91,77 @@ std::optional<int64_t> BucketPolicy::bucket_for(int64_t dim, int64_t size) const
   return *bucket;
 }
 
-std::optional<BucketPlan> BucketPolicy::plan(const std::vector<c10::IntArrayRef>& sizes,
-                                             const std::vector<std::string>& paths,
-                                             std::string* why) const {
-  GRAPHED_INTERNAL_ASSERT(sizes.size() == paths.size(), "one path per tensor");
+std::optional<BucketPlan> BucketPolicy::plan_sizes(const std::vector<c10::IntArrayRef>& sizes,
+                                                   BucketMiss* miss) const {
   std::vector<BucketedDim> dims;
   for (const auto& [dim, bucket_sizes] : buckets_) {
+    // The call's size is the one size other than 1 (Note [Bucket padding]).
     std::optional<size_t> first;
+    std::optional<size_t> any;
+    int64_t having = 0;
     for (size_t i = 0; i < sizes.size(); ++i) {
       if (static_cast<int64_t>(sizes[i].size()) <= dim) {
         continue;
       }
-      if (!first) {
-        first = i;
+      ++having;
+      if (!any) any = i;
+      const int64_t size = sizes[i][dim];
+      if (size == 1) {
         continue;
       }
-      if (sizes[i][dim] != sizes[*first][dim]) {
-        if (why != nullptr) {
-          *why = c10::str("buckets pad dimension ", dim, " of every input tensor, but ",
-                          paths[*first], " has size ", sizes[*first][dim], " there and ",
-                          paths[i], " has ", sizes[i][dim], ". Bucket only a dimension all "
-                          "inputs share (the batch), or pass inputs that agree along it.");
+      if (!first) {
+        first = i;
+      } else if (size != sizes[*first][dim]) {
+        if (miss != nullptr) {
+          *miss = BucketMiss{BucketMiss::Kind::kDisagree, dim, *first, i, sizes[*first][dim], size};
         }
         return std::nullopt;
       }
     }
-    if (!first) {
+    if (!any) {
       continue;  // No input has this dimension; nothing to pad.
     }
-    const int64_t size = sizes[*first][dim];
+    const size_t index = first.value_or(*any);
+    const int64_t size = sizes[index][dim];
     const std::optional<int64_t> bucket = bucket_for(dim, size);
     if (!bucket) {
-      if (why != nullptr) {
-        *why = c10::str(paths[*first], " has size ", size, " along bucketed dimension ", dim,
-                        ", above the largest bucket ", bucket_sizes.back(), " of ",
-                        format_list(bucket_sizes), ". Add a bucket of at least ", size,
-                        " to buckets[", dim, "] so that every size you call with is covered.");
+      if (miss != nullptr) {
+        *miss = BucketMiss{BucketMiss::Kind::kAboveLargest, dim, index, 0, size, 0};
       }
       return std::nullopt;
     }
-    dims.push_back(BucketedDim{dim, size, *bucket});
+    dims.push_back(BucketedDim{dim, size, *bucket, /*ambiguous=*/size == 1 && having > 1});
   }
   return BucketPlan(std::move(dims));
+}
+
+std::string BucketPolicy::describe_miss(const BucketMiss& miss, const std::string& first_path,
+                                        const std::string& other_path) const {
+  if (miss.kind == BucketMiss::Kind::kDisagree) {
+    return c10::str("buckets pad dimension ", miss.dim, " of every input tensor that has it "
+                    "(those of size 1 there are broadcast and pass unpadded), but ", first_path,
+                    " has size ", miss.first_size, " there and ", other_path, " has ",
+                    miss.other_size, ". Bucket only a dimension all inputs share (the batch), "
+                    "or pass inputs that agree along it.");
+  }
+  const std::vector<int64_t>& bucket_sizes = buckets_.at(miss.dim);
+  return c10::str(first_path, " has size ", miss.first_size, " along bucketed dimension ",
+                  miss.dim, ", above the largest bucket ", bucket_sizes.back(), " of ",
+                  format_list(bucket_sizes), ". Add a bucket of at least ", miss.first_size,
+                  " to buckets[", miss.dim, "] so that every size you call with is covered.");
+}
+
+std::optional<BucketPlan> BucketPolicy::plan(const std::vector<c10::IntArrayRef>& sizes,
+                                             const std::vector<std::string>& paths,
+                                             std::string* why) const {
+  GRAPHED_INTERNAL_ASSERT(sizes.size() == paths.size(), "one path per tensor");
+  BucketMiss miss;
+  std::optional<BucketPlan> planned = plan_sizes(sizes, &miss);
+  if (!planned && why != nullptr) {
+    *why = describe_miss(miss, paths.at(miss.first),
+                         miss.kind == BucketMiss::Kind::kDisagree ? paths.at(miss.other) : "");
+  }
+  return planned;
 }
 
 std::vector<BucketPlan> BucketPolicy::combinations_largest_first(const BucketPlan& like) const {

@@ -34,7 +34,8 @@ void encode(const c10::IValue& value, const BucketPlan& plan, CallKey& key) {
     const size_t first = key.codes.size();
     key.codes.insert(key.codes.end(), sizes.begin(), sizes.end());
     for (const BucketedDim& d : plan.dims()) {
-      if (d.dim < tensor.dim()) {
+      // As BucketPlan::padded_sizes: a broadcast size of 1 stays.
+      if (d.dim < tensor.dim() && sizes[d.dim] == d.size) {
         key.codes[first + d.dim] = d.padded;
       }
     }
@@ -62,23 +63,25 @@ void encode(const c10::IValue& value, const BucketPlan& plan, CallKey& key) {
   }
 }
 
-// The tensors of the inputs with their paths, for bucket planning.
-void collect(const c10::IValue& value, const std::string& path, std::vector<at::Tensor>& tensors,
-             std::vector<std::string>& paths) {
+// The path of the `target`-th defined tensor of `value` (counted by
+// `seen`), e.g. "kwargs['position_ids']"; empty when not inside `value`.
+// Only the reported tensors' paths are ever built.
+std::string path_of(const c10::IValue& value, const std::string& path, size_t target,
+                    size_t& seen) {
   if (value.isTensor()) {
-    if (value.toTensor().defined()) {
-      tensors.push_back(value.toTensor());
-      paths.push_back(path);
-    }
-  } else if (value.isTuple()) {
-    const auto& elements = value.toTupleRef().elements();
-    for (size_t i = 0; i < elements.size(); ++i) {
-      collect(elements[i], c10::str(path, "[", i, "]"), tensors, paths);
-    }
-  } else if (value.isList()) {
-    const auto list = value.toListRef();
-    for (size_t i = 0; i < list.size(); ++i) {
-      collect(list[i], c10::str(path, "[", i, "]"), tensors, paths);
+    if (!value.toTensor().defined()) return "";
+    return seen++ == target ? path : "";
+  }
+  if (value.isTuple() || value.isList()) {
+    const bool tuple = value.isTuple();
+    const size_t count = tuple ? value.toTupleRef().elements().size() : value.toListRef().size();
+    for (size_t i = 0; i < count; ++i) {
+      const c10::IValue& element =
+          tuple ? value.toTupleRef().elements()[i] : value.toListRef()[i];
+      if (std::string found = path_of(element, c10::str(path, "[", i, "]"), target, seen);
+          !found.empty()) {
+        return found;
+      }
     }
   } else if (value.isGenericDict()) {
     for (const auto& entry : value.toGenericDict()) {
@@ -88,9 +91,25 @@ void collect(const c10::IValue& value, const std::string& path, std::vector<at::
       } else {
         key << entry.key();
       }
-      collect(entry.value(), c10::str(path, "[", key.str(), "]"), tensors, paths);
+      if (std::string found = path_of(entry.value(), c10::str(path, "[", key.str(), "]"), target,
+                                      seen);
+          !found.empty()) {
+        return found;
+      }
     }
   }
+  return "";
+}
+
+std::string input_path(const std::vector<c10::IValue>& inputs, size_t target) {
+  size_t seen = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::string root = i < 2 ? (i == 0 ? "args" : "kwargs") : c10::str("inputs[", i, "]");
+    if (std::string found = path_of(inputs[i], root, target, seen); !found.empty()) {
+      return found;
+    }
+  }
+  return c10::str("input tensor ", target);
 }
 
 }  // namespace
@@ -104,23 +123,33 @@ CallKey key_of(const std::vector<c10::IValue>& inputs, const BucketPlan& plan, C
 
 std::optional<BucketPlan> plan_call_buckets(const BucketPolicy& buckets,
                                             const std::vector<c10::IValue>& inputs,
-                                            std::vector<at::Tensor>& tensors, std::string* why) {
+                                            std::vector<at::Tensor>& tensors, std::string* why,
+                                            BucketMiss* miss) {
+  const size_t before = tensors.size();
+  for (const c10::IValue& input : inputs) {
+    for_each_tensor(input, [&](const at::Tensor& tensor) {
+      if (tensor.defined()) tensors.push_back(tensor);
+    });
+  }
   if (buckets.empty()) {
-    // The replay path: no input paths to build, they only name uncovered sizes.
-    for (const c10::IValue& input : inputs) {
-      for_each_tensor(input, [&](const at::Tensor& tensor) { tensors.push_back(tensor); });
-    }
     return BucketPlan();
   }
-  std::vector<std::string> paths;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    collect(inputs[i], i < 2 ? (i == 0 ? "args" : "kwargs") : c10::str("inputs[", i, "]"),
-            tensors, paths);
-  }
   std::vector<c10::IntArrayRef> sizes;
-  sizes.reserve(tensors.size());
-  for (const at::Tensor& tensor : tensors) sizes.push_back(tensor.sizes());
-  return buckets.plan(sizes, paths, why);
+  sizes.reserve(tensors.size() - before);
+  for (size_t i = before; i < tensors.size(); ++i) sizes.push_back(tensors[i].sizes());
+  BucketMiss found;
+  std::optional<BucketPlan> planned = buckets.plan_sizes(sizes, &found);
+  if (!planned) {
+    // The tensors are named only now (and not at all when the caller knows
+    // this miss already and passed no `why`).
+    if (miss != nullptr) *miss = found;
+    if (why != nullptr) {
+      *why = buckets.describe_miss(
+          found, input_path(inputs, found.first),
+          found.kind == BucketMiss::Kind::kDisagree ? input_path(inputs, found.other) : "");
+    }
+  }
+  return planned;
 }
 
 }  // namespace graphed

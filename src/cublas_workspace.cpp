@@ -1,12 +1,17 @@
 #include "cublas_workspace.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
+#include <iterator>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <type_traits>
 #include <utility>
@@ -48,42 +53,76 @@ Value borrowed(void* data, c10::Device device, size_t size) {
   }
 }
 
-// graphed's workspace buffers, per device, never freed (graphs captured with
-// an older, smaller one may live until the process exits); the newest serves
-// new captures.
-struct SharedBuffers {
+// One buffer the capture stream's workspace entries point at while graphs
+// captured with it live: Note [cuBLAS workspaces of captured graphs]. Its
+// memory comes from a private pool of its own, so that when the last graph
+// that writes into it is gone, no other allocation can take it over while a
+// replay may still be running; the pool's segment goes back to the device at
+// the next empty_cache(), whose cudaFree waits for the device.
+class SharedWorkspace {
+ public:
+  SharedWorkspace(c10::DeviceIndex device, cudaStream_t stream, size_t bytes)
+      : device_(device), bytes_(bytes) {
+    // Allocated on `stream`, the capture stream whose entries will point here.
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream, device));
+    c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+        device, pool_, [stream](cudaStream_t s) { return s == stream; });
+    try {
+      memory_ = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
+    } catch (...) {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_);
+      c10::cuda::CUDACachingAllocator::releasePool(device, pool_);
+      throw;
+    }
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_);
+  }
+  ~SharedWorkspace();
+  SharedWorkspace(const SharedWorkspace&) = delete;
+  SharedWorkspace& operator=(const SharedWorkspace&) = delete;
+
+  void* data() const { return memory_.get(); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  c10::DeviceIndex device_;
+  size_t bytes_;
+  at::cuda::MempoolId_t pool_ = at::cuda::graph_pool_handle();
+  at::DataPtr memory_;
+};
+
+// The live shared workspaces: the newest per device serves new captures.
+struct SharedWorkspaces {
   std::mutex mutex;
-  std::array<std::vector<std::pair<at::DataPtr, size_t>>, C10_COMPILE_TIME_MAX_GPUS> buffers;
+  std::array<std::weak_ptr<SharedWorkspace>, C10_COMPILE_TIME_MAX_GPUS> newest;
   std::set<const void*> addresses;
 };
 
-SharedBuffers& shared_buffers() {
-  static auto& instance = *new SharedBuffers;  // leaked: outlives every graph
+SharedWorkspaces& shared_workspaces() {
+  static auto& instance = *new SharedWorkspaces;  // leaked: outlives every graph
   return instance;
 }
 
 bool is_shared_buffer(const void* data) {
-  SharedBuffers& shared = shared_buffers();
+  SharedWorkspaces& shared = shared_workspaces();
   std::lock_guard<std::mutex> lock(shared.mutex);
   return shared.addresses.count(data) > 0;
 }
 
-// The newest shared buffer of `device`, at least `bytes` long; nullptr when
-// that needs an allocation and `may_allocate` is false.
-void* shared_buffer(c10::DeviceIndex device, size_t bytes, bool may_allocate = true) {
-  SharedBuffers& shared = shared_buffers();
+// The newest shared workspace of `device` when it holds at least `bytes`,
+// else a new one on `stream`, which becomes the newest.
+std::shared_ptr<SharedWorkspace> shared_buffer(c10::DeviceIndex device, cudaStream_t stream,
+                                               size_t bytes) {
+  SharedWorkspaces& shared = shared_workspaces();
   std::lock_guard<std::mutex> lock(shared.mutex);
-  auto& buffers = shared.buffers.at(static_cast<size_t>(device));
-  if (buffers.empty() || buffers.back().second < bytes) {
-    if (!may_allocate) {
-      return nullptr;
-    }
-    c10::cuda::CUDAGuard guard(device);
-    at::DataPtr memory = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
-    shared.addresses.insert(memory.get());
-    buffers.emplace_back(std::move(memory), bytes);
+  std::weak_ptr<SharedWorkspace>& newest = shared.newest.at(static_cast<size_t>(device));
+  std::shared_ptr<SharedWorkspace> found = newest.lock();
+  if (found && found->bytes() >= bytes) {
+    return found;
   }
-  return buffers.back().first.get();
+  found = std::make_shared<SharedWorkspace>(device, stream, bytes);
+  shared.addresses.insert(found->data());
+  newest = found;
+  return found;
 }
 
 template <typename Visit>
@@ -94,22 +133,64 @@ void for_each_map(Visit&& visit) {
 
 void* stream_of(const std::tuple<void*, void*>& key) { return std::get<1>(key); }
 
+SharedWorkspace::~SharedWorkspace() {
+  {
+    SharedWorkspaces& shared = shared_workspaces();
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    shared.addresses.erase(memory_.get());
+  }
+  try {
+    // Entries still pointing here would hand PyTorch freed memory: drop them
+    // (PyTorch makes a workspace of its own on the stream's next GEMM).
+    for_each_map([&](at::cuda::WorkspaceMapWithMutex& workspaces, size_t /*configured*/) {
+      std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+      for (auto it = workspaces.map.begin(); it != workspaces.map.end();) {
+        it = data_of(it->second).get() == memory_.get() ? workspaces.map.erase(it)
+                                                           : std::next(it);
+      }
+    });
+    memory_.clear();
+    c10::cuda::CUDACachingAllocator::releasePool(device_, pool_);
+  } catch (const std::exception& error) {
+    TORCH_WARN("graphed: releasing a shared cuBLAS workspace failed: ", error.what());
+  } catch (...) {
+    TORCH_WARN("graphed: releasing a shared cuBLAS workspace failed.");
+  }
+}
+
 }  // namespace
 
-void share_stream_workspaces(c10::DeviceIndex device, cudaStream_t stream) {
+std::shared_ptr<void> share_stream_workspaces(c10::DeviceIndex device, cudaStream_t stream) {
+  // The largest workspace `stream`'s entries ask for, then one buffer that
+  // large (taken with no map locked: dropping an old lease may release a
+  // buffer, which edits the maps), then every entry pointed at it.
+  size_t largest = 0;
+  for_each_map([&](at::cuda::WorkspaceMapWithMutex& workspaces, size_t configured) {
+    std::shared_lock<std::shared_mutex> lock(workspaces.mutex);
+    for (const auto& [key, value] : workspaces.map) {
+      if (stream_of(key) == static_cast<void*>(stream)) {
+        largest = std::max(largest, size_of(value, configured));
+      }
+    }
+  });
+  if (largest == 0) {
+    return nullptr;  // No GEMM ran on `stream` yet.
+  }
+  std::shared_ptr<SharedWorkspace> lease = shared_buffer(device, stream, largest);
   const c10::Device cuda(c10::kCUDA, device);
   for_each_map([&](at::cuda::WorkspaceMapWithMutex& workspaces, size_t configured) {
     std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
     for (auto& [key, value] : workspaces.map) {
-      if (stream_of(key) != static_cast<void*>(stream) || is_shared_buffer(data_of(value).get())) {
+      if (stream_of(key) != static_cast<void*>(stream) || data_of(value).get() == lease->data()) {
         continue;
       }
-      const size_t bytes = size_of(value, configured);
-      // Replacing the value frees PyTorch's workspace on `stream`; the work
-      // that used it is ordered before anything `stream` runs next.
-      value = borrowed(shared_buffer(device, bytes), cuda, bytes);
+      // Replacing the value frees PyTorch's workspace on `stream` (or drops
+      // a pointer to an older shared one); the work that used it is ordered
+      // before anything `stream` runs next.
+      value = borrowed(lease->data(), cuda, size_of(value, configured));
     }
   });
+  return lease;
 }
 
 WorkspaceKeys workspace_keys() {
@@ -128,7 +209,8 @@ WorkspaceKeys workspace_keys() {
 
 std::vector<at::DataPtr> take_capture_workspaces(const WorkspaceKeys& before,
                                                  c10::DeviceIndex device, cudaStream_t stream,
-                                                 bool may_allocate) noexcept {
+                                                 const std::shared_ptr<void>& lease) noexcept {
+  const auto* shared = static_cast<const SharedWorkspace*>(lease.get());
   std::vector<at::DataPtr> taken;
   const c10::Device cuda(c10::kCUDA, device);
   auto take = [&](at::cuda::WorkspaceMapWithMutex& workspaces,
@@ -142,18 +224,14 @@ std::vector<at::DataPtr> take_capture_workspaces(const WorkspaceKeys& before,
       }
       const size_t bytes = size_of(it->second, configured);
       taken.push_back(std::move(data));
-      if (stream_of(it->first) == static_cast<void*>(stream)) {
-        try {
-          if (void* buffer = shared_buffer(device, bytes, may_allocate)) {
-            it->second = borrowed(buffer, cuda, bytes);
-            ++it;
-            continue;
-          }
-        } catch (const std::exception&) {
-          // Out of memory for a bigger shared buffer: drop the entry instead;
-          // share_stream_workspaces() tries again before the next capture.
-        }
+      if (stream_of(it->first) == static_cast<void*>(stream) && shared != nullptr &&
+          shared->bytes() >= bytes) {
+        it->second = borrowed(shared->data(), cuda, bytes);
+        ++it;
+        continue;
       }
+      // Too small (or no lease): PyTorch makes a new one on the next GEMM,
+      // and share_stream_workspaces() re-points it before the next capture.
       it = workspaces.map.erase(it);
     }
   };

@@ -8,6 +8,7 @@
 #include <c10/core/Device.h>
 #include <cuda_runtime_api.h>
 
+#include <memory>
 #include <set>
 #include <tuple>
 #include <vector>
@@ -37,11 +38,16 @@ namespace graphed::detail {
 // through the shared capture stream's workspace (Note [One capture stream per
 // device]), so graphed owns what its graphs write into:
 // - Before capture begins, every map entry for the capture stream is pointed
-//   at a buffer graphed allocates once per device and never frees (the map
-//   gets a non-owning pointer, so clearing the map frees nothing). All
-//   graphs captured on that stream share it, which is safe for the reason
-//   the stream itself is shared: they never replay concurrently, and a
-//   workspace holds nothing from one GEMM to the next.
+//   at a buffer graphed allocates (the map gets a non-owning pointer, so
+//   clearing the map frees nothing). Every graph captured with it holds it
+//   (a lease), and all graphs captured on that stream share it, which is
+//   safe for the reason the stream itself is shared: they never replay
+//   concurrently, and a workspace holds nothing from one GEMM to the next.
+//   When the last graph holding it is destroyed, the map entries pointing at
+//   it are removed and it is freed: its memory sits in a private pool of its
+//   own, so nothing can reuse it while a replay may still run, and the
+//   segment goes back to the device at the next empty_cache() (issue 29:
+//   dropping every graph gives back all of graphed's memory).
 // - A workspace created during the capture (a handle that did not run during
 //   warm-up, or a side stream the captured code forks onto) comes from the
 //   graph's private pool; the graph takes ownership of it and the map entry
@@ -61,20 +67,21 @@ struct WorkspaceKeys {
 };
 
 // Points every workspace entry of `stream` (on `device`) at graphed's shared
-// buffer, growing it when an entry asks for more. Call outside any capture.
-void share_stream_workspaces(c10::DeviceIndex device, cudaStream_t stream);
+// buffer, growing it when an entry asks for more, and returns the buffer (a
+// lease: hold it for as long as a graph captured next may replay; null when
+// `stream` has no entry yet). Call outside any capture.
+std::shared_ptr<void> share_stream_workspaces(c10::DeviceIndex device, cudaStream_t stream);
 
 // The map keys now.
 WorkspaceKeys workspace_keys();
 
 // The workspaces created since `before` (during a capture on `stream`):
 // returns their memory for the graph to own, re-points `stream`'s entries at
-// the shared buffer and removes the other new entries. Without
-// `may_allocate` (while the allocator may still route to the graph's pool)
-// a `stream` entry the shared buffer is too small for is removed instead of
-// re-pointed. Never throws.
+// `lease` (what share_stream_workspaces returned before the capture) and
+// removes the other new entries, and those `lease` is too small for.
+// Allocates nothing; never throws.
 std::vector<at::DataPtr> take_capture_workspaces(const WorkspaceKeys& before,
                                                  c10::DeviceIndex device, cudaStream_t stream,
-                                                 bool may_allocate) noexcept;
+                                                 const std::shared_ptr<void>& lease) noexcept;
 
 }  // namespace graphed::detail

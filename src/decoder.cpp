@@ -67,6 +67,46 @@ std::vector<int64_t> default_batch_buckets(int64_t max_batch) {
   return buckets;
 }
 
+namespace {
+
+// Note [Token ids are checked on the host]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A token id outside the vocabulary that reaches a kernel as an index is a
+// device-side assert, and after one the process's CUDA context is lost:
+// every later CUDA call fails. So no id a user passes is used as an index
+// on the device before it is checked on the host:
+// - Prompts are checked against the vocabulary (DecoderOptions::vocab_size,
+//   else the logits' width once known) before they are copied in: one read
+//   of their minimum and maximum per request.
+// - pad_token_id is fed to the model for finished rows, so it must be in
+//   the vocabulary whenever a row can finish; rows padding a batch up to its
+//   bucket get it only when it is, else token 0 (their results are dropped).
+// - End-of-sequence ids are compared, never indexed: the suppression of
+//   min_new_tokens marks them by membership (suppress_eos_until), so an id
+//   outside the vocabulary never ends a row and is never suppressed, as in
+//   transformers (which only warns). graphed warns too.
+// - graphed's own kernels bound every index they compute from device values
+//   (the token write by the step counter, the FP8 history slot), so a wrong
+//   caller of the C++ API gets wrong values at worst, never an assert.
+void check_token_ids_fit(const DecoderOptions& options, std::optional<int64_t> vocab) {
+  if (!vocab) {
+    return;
+  }
+  GRAPHED_CHECK(*vocab >= 1, "Expected vocab_size >= 1 (the token ids the model takes), got ",
+                *vocab, ".");
+  const auto inside = [&](int64_t id) { return id >= 0 && id < *vocab; };
+  const bool rows_can_finish =
+      std::any_of(options.eos_token_ids.begin(), options.eos_token_ids.end(), inside);
+  GRAPHED_CHECK(!rows_can_finish || !options.pad_token_id || inside(*options.pad_token_id),
+                "Expected pad_token_id within the model's vocabulary [0, ", *vocab, "), got ",
+                *options.pad_token_id, ": rows that end on an end-of-sequence token emit it, and "
+                "the model reads it as its next input (an index past its embedding: a "
+                "device-side assert that kills the process, which transformers' generate would "
+                "hit too). Pass a pad_token_id below ", *vocab, ", e.g. the first eos token.");
+}
+
+}  // namespace
+
 std::vector<int64_t> validate_decoder_options(const DecoderOptions& options) {
   GRAPHED_CHECK(options.max_batch >= 1, "Expected max_batch >= 1, got ", options.max_batch,
                 ". Pass the largest batch the decoder must serve.");
@@ -91,6 +131,7 @@ std::vector<int64_t> validate_decoder_options(const DecoderOptions& options) {
                 "End-of-sequence tokens were given (", c10::Join(", ", options.eos_token_ids),
                 ") but no pad_token_id: finished rows need a token to emit. Pass pad_token_id "
                 "(Hugging Face uses the first eos token when the model has no pad token).");
+  check_token_ids_fit(options, options.vocab_size);
   GRAPHED_CHECK(options.prefill_graphs >= 0, "Expected prefill_graphs >= 0 (the most prefill "
                 "graphs held; 0: eager prefills), got ", options.prefill_graphs, ".");
   GRAPHED_CHECK(!options.memory_budget_bytes || *options.memory_budget_bytes >= 1,
@@ -148,6 +189,9 @@ Decoder::Decoder(DecodeStep step, PrefillStep prefill, DecoderOptions options,
   row_index_ = at::arange(options_.max_batch, longs);
   live_rows_ = at::zeros({1}, longs);
   eos_ = at::tensor(options_.eos_token_ids, at::TensorOptions().dtype(at::kLong)).to(device_);
+  if (options_.vocab_size) {
+    learn_vocab(*options_.vocab_size);
+  }
   if (device_.is_cuda()) {
     done_host_ = at::zeros({1}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
     done_copied_.emplace();
@@ -213,7 +257,44 @@ void Decoder::reset_cache() {
   }
 }
 
+void Decoder::learn_vocab(int64_t vocab) {
+  // Note [Token ids are checked on the host].
+  check_token_ids_fit(options_, vocab);
+  vocab_ = vocab;
+  const auto inside = [&](int64_t id) { return id >= 0 && id < vocab; };
+  filler_token_ = options_.pad_token_id && inside(*options_.pad_token_id) ? *options_.pad_token_id : 0;
+  std::vector<int64_t> outside;
+  for (int64_t id : options_.eos_token_ids) {
+    if (!inside(id)) outside.push_back(id);
+  }
+  if (!outside.empty()) {
+    TORCH_WARN("graphed.Decoder: end-of-sequence token ", c10::Join(", ", outside),
+               " lies outside the model's vocabulary of ", vocab, " tokens, so it never ends "
+               "a row (as in transformers, which only warns). Set the model's (or the call's) "
+               "eos_token_id to a token below ", vocab, " for rows to finish early.");
+  }
+}
+
+void Decoder::check_prompt_ids(const at::Tensor& input_ids) const {
+  if (!vocab_ || input_ids.numel() == 0) {
+    return;
+  }
+  // One read per request: Note [Token ids are checked on the host].
+  const auto [low, high] = at::aminmax(input_ids);
+  const at::Tensor range = at::stack({low, high}).to(at::kCPU);
+  const int64_t lowest = range[0].item<int64_t>();
+  const int64_t highest = range[1].item<int64_t>();
+  GRAPHED_CHECK(lowest >= 0 && highest < *vocab_, "Expected prompt token ids in [0, ", *vocab_,
+                ") (the model's vocabulary), got ids from ", lowest, " to ", highest,
+                ". An id outside it indexes past the model's embedding: a device-side assert "
+                "that would kill the process. Tokenize with the model's tokenizer, or check "
+                "the ids (left padding included) before generating.");
+}
+
 void Decoder::select(const at::Tensor& logits, DecodeState& state) {
+  if (!vocab_) {
+    learn_vocab(logits.size(-1));  // from an eager run, never from a capture
+  }
   if (!options_.eos_token_ids.empty() && !state_.eos_threshold.defined()) {
     // The vocabulary is known from the first logits, which come from an eager
     // run (a warm-up or an eager prefill), never from a capture.
@@ -548,6 +629,7 @@ DecodeResult Decoder::generate(const at::Tensor& input_ids, const at::Tensor& at
   if (device_.is_cuda()) {
     guard.emplace(device_);
   }
+  check_prompt_ids(input_ids);
   Bucket& bucket = this->bucket(batch);
   ensure_captured(bucket);
   const int64_t rows = bucket.batch;
@@ -562,7 +644,7 @@ DecodeResult Decoder::generate(const at::Tensor& input_ids, const at::Tensor& at
     prefill.mask.narrow(0, 0, batch).copy_(attention_mask);
   }
   if (batch < rows) {
-    prefill.ids.narrow(0, batch, rows - batch).fill_(options_.pad_token_id.value_or(0));
+    prefill.ids.narrow(0, batch, rows - batch).fill_(filler_token_);
     if (padded) {
       prefill.mask.narrow(0, batch, rows - batch).fill_(1);
     }
@@ -576,7 +658,7 @@ DecodeResult Decoder::generate(const at::Tensor& input_ids, const at::Tensor& at
     if (threshold_min_new_ != min_new_tokens) {
       threshold_min_new_ = min_new_tokens;
       if (state_.eos_threshold.defined()) {
-        state_.eos_threshold.index_fill_(0, eos_, min_new_tokens);
+        suppress_eos_until(state_, eos_, state_.eos_threshold.numel(), min_new_tokens);
       }
     }
   }

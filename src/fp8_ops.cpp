@@ -250,7 +250,10 @@ void update_delayed_scaling(const DelayedScalingTable& table, const DelayedScali
   validate_delayed_scaling_table(table, options);
   if (!use_kernels(table.amax, kernels)) {
     // DelayedScaling's record_amax_value and update_scale, for every row.
-    table.history.index_copy_(1, table.slot, table.amax.unsqueeze(1));
+    // The slot wrapped into the history, as the kernel does: a slot loaded
+    // from a checkpoint may be anything, and no index may reach an assert.
+    table.history.index_copy_(1, at::remainder(table.slot, options.history_len),
+                              table.amax.unsqueeze(1));
     const at::Tensor reduced = options.reduction == AmaxReduction::kMax
                                    ? table.history.amax(1)
                                    : table.amax.clone();

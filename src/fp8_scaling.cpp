@@ -67,16 +67,19 @@ void DelayedScaling::record_amax_value(const at::Tensor& amax) {
   GRAPHED_CHECK(amax.device() == history_.device(), "Expected the amax on ", history_.device(),
                 " (this scaling state's device), got ", amax.device(), ". Record amaxes of ",
                 "tensors on the state's device.");
-  history_.index_copy_(0, next_slot_, amax.reshape({1}).to(at::kFloat));
+  // Wrapped: state() hands the slot out, and a restored one may be anything.
+  history_.index_copy_(0, at::remainder(next_slot_, options_.history_len),
+                       amax.reshape({1}).to(at::kFloat));
 }
 
 void DelayedScaling::update_scale() {
   const at::Tensor amax = options_.reduction == AmaxReduction::kMax
                               ? history_.amax().reshape({1})
-                              : history_.index_select(0, next_slot_);
+                              : history_.index_select(
+                                    0, at::remainder(next_slot_, options_.history_len));
   scale_.copy_(scale_from_amax(amax, scale_, format_, options_.margin));
   at::reciprocal_out(scale_inv_, scale_);
-  next_slot_.add_(1).remainder_(options_.history_len);
+  next_slot_.remainder_(options_.history_len).add_(1).remainder_(options_.history_len);
 }
 
 at::Tensor DelayedScaling::cast(const at::Tensor& x) const {

@@ -1,5 +1,7 @@
 #include "graphed/graph_manager.h"
 
+#include "graph_manager_internal.h"
+
 #include "graphed/check.h"
 #include "graphed/nvtx.h"
 #include "graphed/safety_check.h"
@@ -13,8 +15,6 @@
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
 #include <iterator>
 #include <sstream>
@@ -23,11 +23,6 @@
 namespace graphed {
 
 namespace {
-
-double elapsed_ms(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
-      .count();
-}
 
 std::string shown(const std::string& name) { return name.empty() ? "<root>" : name; }
 
@@ -60,16 +55,6 @@ FallbackPolicy parse_fallback_policy(std::string_view name) {
                 "and count it in stats()) or \"raise\", got \"", name, "\".");
 }
 
-struct GraphManager::Slot {
-  uint64_t id = 0;
-  CallKey key;
-  BucketPlan plan;  // at bucket sizes
-  std::unique_ptr<GraphEntry> entry;
-  // Set instead of `entry` when these inputs cannot be captured (not the
-  // module: e.g. CPU tensors); calls with this key fall back at once.
-  std::string failure;
-  int64_t replays = 0;
-};
 
 namespace {
 
@@ -94,29 +79,6 @@ std::vector<at::Tensor> distinct(std::vector<at::Tensor> tensors) {
 
 }  // namespace
 
-struct GraphManager::Module {
-  ModuleSpec spec;
-  size_t index = 0;
-  int64_t calls = 0;
-  int64_t warmup_calls = 0;
-  int64_t replays = 0;
-  bool seen = false;
-  // Set once the module falls back for good (a blocker or a capture error).
-  std::optional<std::string> blocked;
-  std::vector<std::unique_ptr<Slot>> slots;  // most recently used first
-  std::string description;
-  // The subject of its NVTX warm-up ranges, "layers.0 (Block)".
-  std::string nvtx_subject;
-  // The inputs of its last warm-up call in training mode, until a training
-  // group is planned (Note [Training graphs captured together]).
-  std::optional<std::vector<c10::IValue>> training_sample;
-  // Findings of the warm-up check that a capture decides (CaptureVerdict::
-  // kTryCapture): false findings once a graph of the module replays.
-  std::vector<std::string> unconfirmed_findings;
-  // Its parameters and buffers at the end of warm-up, which its graphs read
-  // (Note [Modules whose tensors moved]).
-  TensorIdentities tensors;
-};
 
 GraphManager::GraphManager(GraphManagerOptions options, GraphEntryFactories factories)
     : options_(std::move(options)), factories_(std::move(factories)),
@@ -129,6 +91,8 @@ GraphManager::GraphManager(GraphManagerOptions options, GraphEntryFactories fact
                 "capture stream first.");
   GRAPHED_CHECK(options_.max_capture_ahead >= 0, "Expected max_capture_ahead >= 0, got ",
                 options_.max_capture_ahead, ".");
+  GRAPHED_CHECK(options_.pick_buckets_after >= 2, "Expected pick_buckets_after >= 2 (the batch "
+                "sizes seen before buckets are picked), got ", options_.pick_buckets_after, ".");
   if (!factories_.inference) {
     factories_.inference = &make_inference_entry;
   }
@@ -145,7 +109,7 @@ size_t GraphManager::add_module(ModuleSpec spec) {
     GRAPHED_CHECK(module->spec.name != spec.name, "Module '", shown(spec.name),
                   "' is registered twice; register each module once.");
   }
-  auto module = std::make_unique<Module>();
+  auto module = std::make_unique<Module>(options_.pick_buckets_after);
   module->index = modules_.size();
   module->description = c10::str("module `", shown(spec.name), "` (", spec.type, ")");
   module->nvtx_subject = nvtx_subject(module->description);
@@ -184,20 +148,43 @@ c10::IValue GraphManager::run_eager(Module& module, const std::vector<c10::IValu
   }
 }
 
-c10::IValue GraphManager::fall_back(Module& module, const std::string& reason,
-                                    const std::vector<c10::IValue>& inputs) {
+// Note [A fallback costs nothing]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// graphed.auto must never make a model slower than eager. A module that can
+// never use a graph (a capture blocker found in warm-up, a failed capture)
+// is blocked(): the Python layer then puts the module's own forward back, so
+// its calls run no graphed code at all (its fallback count stops with the
+// calls made until then). A call that falls back for itself (a size above
+// the largest bucket, inputs that cannot be bucketed, a signature whose
+// capture failed) still passes through the manager, which decides on the
+// inputs' sizes, counts it and returns nullopt from try_call(): the caller
+// runs the forward on the Python objects it already has, with no conversion
+// of the inputs back or of the outputs into the core. The reason is built
+// once per kind of miss (Module::last_miss) and counted without a lookup
+// when it repeats (Module::last_fallback). bench/run.py auto_overhead
+// measures both: a model whose every block is refused against eager, and
+// one call that falls back for its shape.
+std::optional<c10::IValue> GraphManager::fall_back(Module& module, const std::string& reason,
+                                                   const std::vector<c10::IValue>& inputs,
+                                                   bool caller_runs_fallbacks) {
   if (options_.fallback == FallbackPolicy::kRaise) {
     GRAPHED_THROW(Error, module.description, " cannot run as a graph: ", reason,
                   "\n(fallback=\"raise\"; pass fallback=\"eager\" to run it eagerly and count "
                   "the fallback in stats() instead.)");
   }
-  const std::string key = module.spec.name + '\0' + reason;
-  auto [found, inserted] = fallback_index_.emplace(key, counters_.fallbacks.size());
-  if (inserted) {
-    counters_.fallbacks.push_back(FallbackStats{module.spec.name, reason, 0});
+  if (!module.last_fallback || counters_.fallbacks[*module.last_fallback].reason != reason) {
+    const std::string key = module.spec.name + '\0' + reason;
+    auto [found, inserted] = fallback_index_.emplace(key, counters_.fallbacks.size());
+    if (inserted) {
+      counters_.fallbacks.push_back(FallbackStats{module.spec.name, reason, 0});
+    }
+    module.last_fallback = found->second;
   }
-  ++counters_.fallbacks[found->second].count;
+  ++counters_.fallbacks[*module.last_fallback].count;
   ++counters_.fallback_calls;
+  if (caller_runs_fallbacks) {
+    return std::nullopt;
+  }
   return run_eager(module, inputs);
 }
 
@@ -299,6 +286,7 @@ void GraphManager::restart_warmup(Module& module) {
   ++counters_.tensor_changes;
   while (!module.slots.empty()) evict(module.slots.front()->id);
   module.warmup_calls = 0;
+  module.captured_ahead = false;
   module.training_sample.reset();
   module.tensors = TensorIdentities();
   module.spec.parameters = distinct(module.spec.read_parameters());
@@ -330,18 +318,24 @@ void GraphManager::enforce_budget(const Slot& keep) {
 
 GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
                                                const BucketPlan& plan,
-                                               const std::vector<c10::IValue>& inputs) {
+                                               const std::vector<c10::IValue>& inputs,
+                                               const BucketPolicy& policy) {
   const GraphEntryFactory& factory =
       mode == CallMode::kTraining ? factories_.training : factories_.inference;
   GRAPHED_INTERNAL_ASSERT(static_cast<bool>(factory), "no factory for ", call_mode_name(mode));
 
   // Which bucket combinations to capture now: the call's, or on a module's
-  // first capture every combination, largest first, so that the smaller
-  // graphs reuse the pool memory of the largest (Note [Bucket padding]).
+  // first capture with the user's buckets every combination, largest first,
+  // so that the smaller graphs reuse the pool memory of the largest (Note
+  // [Bucket padding]; not from a call whose broadcast tensors cannot be
+  // told, nor for buckets graphed picked, which have no end in sight).
   std::vector<BucketPlan> targets;
-  const bool first_capture = module.slots.empty();
-  if (first_capture && !plan.dims().empty() && options_.max_capture_ahead > 0) {
-    targets = options_.buckets.combinations_largest_first(plan);
+  const bool ambiguous = std::any_of(plan.dims().begin(), plan.dims().end(),
+                                     [](const BucketedDim& d) { return d.ambiguous; });
+  if (!module.captured_ahead && &policy == &options_.buckets && !plan.dims().empty() &&
+      !ambiguous && options_.max_capture_ahead > 0) {
+    module.captured_ahead = true;
+    targets = policy.combinations_largest_first(plan);
     if (targets.size() > static_cast<size_t>(options_.max_capture_ahead)) targets.clear();
   }
   const BucketPlan wanted = plan.at_buckets();
@@ -363,9 +357,16 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
     const BucketPlan key_plan(std::move(key_dims));
     const bool is_wanted = target.dims() == wanted.dims();
 
+    CallKey key = key_of(inputs, key_plan, mode);
+    if (!is_wanted && std::any_of(module.slots.begin(), module.slots.end(),
+                                  [&](const auto& held) { return held->key == key; })) {
+      report();
+      continue;  // captured before the module captured ahead
+    }
     auto slot = std::make_unique<Slot>();
     slot->id = next_slot_id_++;
-    slot->key = key_of(inputs, key_plan, mode);
+    slot->key = std::move(key);
+    slot->mode = mode;
     slot->plan = target;
 
     GraphEntryRequest request;
@@ -454,158 +455,92 @@ c10::IValue GraphManager::call(size_t index, const std::vector<c10::IValue>& inp
   if (depth_ > 0) {
     return module.spec.forward(inputs);  // Part of another managed module's call.
   }
-  return call_locked(module, inputs);
+  return *call_locked(module, inputs, /*caller_runs_fallbacks=*/false);
 }
 
-void GraphManager::record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
-                                        const c10::IValue& output) {
-  // See Note [Training graphs captured together].
-  std::vector<c10::IValue> sample;
-  {
-    c10::NoGradGuard no_grad;
-    for (const c10::IValue& input : inputs) {
-      sample.push_back(map_tensors(input, [](const at::Tensor& tensor) {
-        at::Tensor copy = tensor.detach().clone(at::MemoryFormat::Preserve);
-        if (tensor.requires_grad()) copy.requires_grad_(true);
-        return copy;
-      }));
-    }
+std::optional<c10::IValue> GraphManager::try_call(size_t index,
+                                                  const std::vector<c10::IValue>& inputs) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  GRAPHED_CHECK(index < modules_.size(), "Expected a module index below ", modules_.size(),
+                ", got ", index, ".");
+  if (depth_ > 0) {
+    return std::nullopt;  // Part of another managed module's call: its own forward, uncounted.
   }
-  recorder_->record(module.index, /*forward=*/true);
-  const auto fired = std::make_shared<std::atomic<bool>>(false);
-  const std::weak_ptr<TrainingRecorder> recorder = recorder_;
-  const size_t index = module.index;
-  for_each_tensor(output, [&](const at::Tensor& tensor) {
-    if (!tensor.defined() || !tensor.requires_grad()) return;
-    tensor.register_hook([recorder, fired, index](const at::Tensor&) {
-      if (fired->exchange(true)) return;  // the first gradient starts the backward
-      if (const auto alive = recorder.lock()) alive->record(index, /*forward=*/false);
-    });
-  });
-  module.training_sample = std::move(sample);
+  return call_locked(*modules_[index], inputs, /*caller_runs_fallbacks=*/true);
 }
 
-void GraphManager::capture_training_group(Module& trigger) {
-  // Every module with a recorded sample is planned now, once: those that do
-  // not join are captured on their own later.
-  // Events of modules planned before (a late gradient) are dropped.
-  std::vector<TrainingEvent> events;
-  {
-    std::lock_guard<std::mutex> lock(recorder_->mutex);
-    for (const TrainingEvent& event : recorder_->events) {
-      if (modules_.at(event.module)->training_sample) events.push_back(event);
-    }
-    recorder_->events.clear();
-  }
-  std::vector<std::vector<c10::IValue>> samples(modules_.size());
-  for (auto& module : modules_) {
-    if (module->training_sample) {
-      samples[module->index] = std::move(*module->training_sample);
-      module->training_sample.reset();
-    }
-  }
-  TrainingGroupPlan plan = plan_training_group(events);
-  TrainingGroupStats group;
-  for (const auto& [index, why] : plan.left_out) {
-    group.left_out.push_back(c10::str(shown(modules_[index]->spec.name), ": ", why));
-  }
-
-  // Members must be graphable now and take their samples unpadded.
-  std::vector<size_t> members;
-  std::vector<BucketPlan> plans;
-  std::vector<int64_t> renumbered(plan.modules.size() + 1, 0);
-  for (size_t i = 0; i < plan.modules.size(); ++i) {
-    Module& module = *modules_[plan.modules[i]];
-    if (module.blocked || !module.slots.empty()) {
-      continue;  // fell back or captured since its warm-up
-    }
-    std::vector<at::Tensor> tensors;
-    std::string why;
-    const std::optional<BucketPlan> buckets =
-        plan_call_buckets(options_.buckets, samples[module.index], tensors, &why);
-    if (!buckets || buckets->pads()) {
-      group.left_out.push_back(c10::str(shown(module.spec.name), ": ",
-                                        buckets ? "its inputs would be padded to a bucket, "
-                                                  "which training graphs refuse"
-                                                : why));
-      continue;
-    }
-    members.push_back(module.index);
-    plans.push_back(*buckets);
-    renumbered[i + 1] = static_cast<int64_t>(members.size());
-  }
-  if (members.empty()) {
-    if (!group.left_out.empty()) counters_.training_groups.push_back(std::move(group));
-    return;
-  }
-  for (int64_t step : plan.order) {
-    const int64_t id = renumbered[static_cast<size_t>(std::abs(step))];
-    if (id != 0) group.order.push_back(step > 0 ? id : -id);
-  }
-
-  std::vector<GraphEntryRequest> requests;
-  for (size_t i = 0; i < members.size(); ++i) {
-    Module& module = *modules_[members[i]];
-    group.modules.push_back(shown(module.spec.name));
-    GraphEntryRequest request;
-    request.module = &module.spec;
-    request.sample = samples[module.index];
-    request.plan = plans[i];
-    request.input_names = input_names(request.sample.size());
-    request.warmup_iters = options_.capture_warmup_iters;
-    request.error_mode = options_.error_mode;
-    request.input_update = options_.input_update;
-    request.description = module.description;
-    requests.push_back(std::move(request));
-  }
-  std::vector<std::unique_ptr<GraphEntry>> entries;
-  const auto started = std::chrono::steady_clock::now();
-  ++depth_;
-  try {
-    entries = factories_.training_group(requests, group.order);
-    --depth_;
-  } catch (const Error& error) {
-    --depth_;
-    group.failure = first_line(error.what_without_backtrace());
-    group.capture_ms = elapsed_ms(started);
-    counters_.training_groups.push_back(std::move(group));
-    return;  // each member is captured on its own when next called
-  } catch (...) {
-    --depth_;
-    throw;
-  }
-  GRAPHED_INTERNAL_ASSERT(entries.size() == members.size(), "one entry per group member");
-  Slot* kept = nullptr;
-  for (size_t i = 0; i < members.size(); ++i) {
-    Module& module = *modules_[members[i]];
-    auto slot = std::make_unique<Slot>();
-    slot->id = next_slot_id_++;
-    slot->key = key_of(requests[i].sample, plans[i], CallMode::kTraining);
-    slot->plan = plans[i];
-    slot->entry = std::move(entries[i]);
-    ++counters_.captures;
-    counters_.capture_ms += slot->entry->capture_ms();
-    group.pool_reserved_bytes = std::max(group.pool_reserved_bytes,
-                                         slot->entry->pool_reserved_bytes());
-    const int64_t bytes = slot->entry->memory_bytes();
-    if (lru_.budget() && bytes > *lru_.budget()) {
-      GRAPHED_THROW(Error, "memory_budget=", format_bytes(*lru_.budget()), " is smaller than "
-                    "one graph: the training graphs of ", module.description, " hold ",
-                    format_bytes(bytes), ". Raise memory_budget to at least ",
-                    format_bytes(bytes), " (a few graphs' worth), or pass memory_budget=None "
-                    "for no limit.");
-    }
-    lru_.add(slot->id, bytes);
-    slots_by_id_[slot->id] = slot.get();
-    if (&module == &trigger) kept = slot.get();
-    module.slots.insert(module.slots.begin(), std::move(slot));
-  }
-  group.capture_ms = elapsed_ms(started);
-  counters_.training_groups.push_back(std::move(group));
-  if (kept != nullptr) enforce_budget(*kept);
+bool GraphManager::blocked(size_t index) const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  GRAPHED_CHECK(index < modules_.size(), "Expected a module index below ", modules_.size(),
+                ", got ", index, ".");
+  return modules_[index]->blocked.has_value();
 }
 
-c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IValue>& inputs) {
+std::optional<BucketPlan> GraphManager::plan_call(Module& module, const BucketPolicy& policy,
+                                                  const std::vector<c10::IValue>& inputs,
+                                                  std::vector<at::Tensor>& tensors,
+                                                  std::string& why) {
+  BucketMiss miss;
+  std::optional<BucketPlan> planned =
+      plan_call_buckets(policy, inputs, tensors, /*why=*/nullptr, &miss);
+  if (!planned) {
+    // Note [A fallback costs nothing]: the message is built once per kind of miss.
+    if (!module.last_miss || !(*module.last_miss == miss)) {
+      std::vector<at::Tensor> again;
+      (void)plan_call_buckets(policy, inputs, again, &module.last_miss_reason);
+      module.last_miss = miss;
+    }
+    why = module.last_miss_reason;
+  }
+  return planned;
+}
+
+void GraphManager::evict_inference_slots(Module& module) {
+  std::vector<uint64_t> ids;
+  for (const auto& slot : module.slots) {
+    if (slot->mode == CallMode::kInference) ids.push_back(slot->id);
+  }
+  for (uint64_t id : ids) evict(id);
+}
+
+bool GraphManager::pick_buckets_for(Module& module, const std::vector<c10::IValue>& inputs) {
+  // Note [Buckets graphed picks itself].
+  if (!module.auto_buckets.observe(inputs)) {
+    return false;
+  }
+  module.picked_buckets = AutoBuckets::policy();
+  evict_inference_slots(module);
+  return true;
+}
+
+std::optional<c10::IValue> GraphManager::check_picked_buckets(
+    Module& module, const std::vector<c10::IValue>& inputs, const c10::IValue& replayed) {
+  // Note [Buckets graphed picks itself]: the first padded replay against eager.
+  module.picked_checked = true;
+  const c10::IValue eager = run_eager(module, inputs);
+  const OutputAgreement agreement = compare_outputs(replayed, eager);
+  if (agreement.agrees) {
+    counters_.notes.push_back(c10::str(
+        shown(module.spec.name), ": inference calls came at ", options_.pick_buckets_after,
+        " batch sizes, so graphed pads them to power-of-two sizes along dimension 0 (outputs "
+        "sliced back; the first padded call matched eager, largest relative difference ",
+        agreement.max_relative_diff, "). Pass buckets= to choose the sizes, or buckets=None "
+        "for one graph per size."));
+    return std::nullopt;
+  }
+  module.picked_buckets.reset();
+  module.picking_refused = true;
+  evict_inference_slots(module);
+  counters_.notes.push_back(c10::str(
+      shown(module.spec.name), ": graphed tried padding its inference calls to power-of-two "
+      "sizes along dimension 0, but a padded call did not match eager (", agreement.disagreement,
+      "): its rows along dimension 0 are not independent, so it keeps one graph per size."));
+  return eager;
+}
+
+std::optional<c10::IValue> GraphManager::call_locked(Module& module,
+                                                     const std::vector<c10::IValue>& inputs,
+                                                     bool caller_runs_fallbacks) {
   ++counters_.calls;
   ++module.calls;
   if (!module.seen) {
@@ -613,13 +548,12 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
     counters_.order.push_back(module.spec.name);
   }
   if (module.blocked) {
-    return fall_back(module, *module.blocked, inputs);
+    return fall_back(module, *module.blocked, inputs, caller_runs_fallbacks);
   }
 
   std::vector<at::Tensor> tensors;
   std::string why;
-  const std::optional<BucketPlan> planned =
-      plan_call_buckets(options_.buckets, inputs, tensors, &why);
+  std::optional<BucketPlan> planned = plan_call(module, options_.buckets, inputs, tensors, why);
   CallMode mode = CallMode::kInference;
   if (c10::GradMode::is_enabled()) {
     const auto requires_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
@@ -659,27 +593,45 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
                                       "the module updates (a key/value cache): a graph would "
                                       "neither see nor update it, so the call ran eagerly. For a "
                                       "transformers model, pass use_cache=False"),
-                     inputs);
+                     inputs, caller_runs_fallbacks);
   }
   if (mode == CallMode::kTraining && !factories_.training) {
     // INTEGRATION POINT, see Note [Training entries]: until the training
     // factory (forward and backward graphs) is plugged in, training calls run
     // eagerly and are counted, so stats() shows that nothing is graphed.
-    return fall_back(module, std::string(kTrainingGraphsUnavailable), inputs);
+    return fall_back(module, std::string(kTrainingGraphsUnavailable), inputs,
+                     caller_runs_fallbacks);
+  }
+  // Note [Buckets graphed picks itself]: inference calls only.
+  const bool may_pick = mode == CallMode::kInference && options_.pick_buckets &&
+                        options_.buckets.empty() && !module.picking_refused;
+  const BucketPolicy* policy = &options_.buckets;
+  if (may_pick && module.picked_buckets) {
+    policy = &*module.picked_buckets;
+    tensors.clear();
+    planned = plan_call(module, *policy, inputs, tensors, why);
   }
   if (!planned) {
-    return fall_back(module, why, inputs);
+    return fall_back(module, why, inputs, caller_runs_fallbacks);
   }
-  const BucketPlan& plan = *planned;
 
-  Slot* slot = find_slot(module, mode, plan, inputs);
+  Slot* slot = find_slot(module, mode, *planned, inputs);
   if (slot == nullptr && mode == CallMode::kTraining && module.training_sample) {
     capture_training_group(module);
-    slot = find_slot(module, mode, plan, inputs);
+    slot = find_slot(module, mode, *planned, inputs);
   }
+  if (slot == nullptr && may_pick && !module.picked_buckets && pick_buckets_for(module, inputs)) {
+    policy = &*module.picked_buckets;
+    tensors.clear();
+    planned = plan_call(module, *policy, inputs, tensors, why);
+    if (!planned) {
+      return fall_back(module, why, inputs, caller_runs_fallbacks);
+    }
+  }
+  const BucketPlan plan = *planned;
   if (slot == nullptr) {
     try {
-      slot = &capture_slot(module, mode, plan, inputs);
+      slot = &capture_slot(module, mode, plan, inputs, *policy);
     } catch (const CaptureError& error) {
       const std::string reason =
           c10::str("capture failed: ", error.what_without_backtrace());
@@ -689,13 +641,13 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
       // module behaves one way.
       while (!module.slots.empty()) evict(module.slots.front()->id);
       if (options_.fallback == FallbackPolicy::kRaise) throw;
-      return fall_back(module, reason, inputs);
+      return fall_back(module, reason, inputs, caller_runs_fallbacks);
     }
   } else if (slot->entry) {
     lru_.touch(slot->id);
   }
   if (!slot->entry) {
-    return fall_back(module, slot->failure, inputs);
+    return fall_back(module, slot->failure, inputs, caller_runs_fallbacks);
   }
   c10::IValue out;
   ++depth_;
@@ -713,7 +665,7 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
                              "of their pool were pending (e.g. a module called again before "
                              "its backward ran): replaying would overwrite what those backwards "
                              "read, so the call ran eagerly",
-                     inputs);
+                     inputs, caller_runs_fallbacks);
   } catch (...) {
     --depth_;
     throw;
@@ -721,6 +673,11 @@ c10::IValue GraphManager::call_locked(Module& module, const std::vector<c10::IVa
   ++counters_.replays;
   ++module.replays;
   ++slot->replays;
+  if (module.picked_buckets && !module.picked_checked && plan.pads()) {
+    if (std::optional<c10::IValue> eager = check_picked_buckets(module, inputs, out)) {
+      return eager;
+    }
+  }
   return out;
 }
 
@@ -757,6 +714,7 @@ void GraphManager::clear() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   for (auto& module : modules_) {
     while (!module->slots.empty()) evict(module->slots.front()->id);
+    module->captured_ahead = false;
   }
 }
 

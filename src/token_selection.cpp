@@ -93,6 +93,7 @@ void fused_greedy_step(const at::Tensor& scores, DecodeState& state, const at::T
   step.next_row_stride = state.next.stride(0);
   step.tokens = state.tokens.data_ptr<int64_t>();
   step.tokens_row_stride = state.tokens.stride(0);
+  step.tokens_capacity = state.tokens.size(1);
   step.counters = state.counters.data_ptr<int64_t>();
   step.counter_count = state.counters.numel();
   step.arrivals = reinterpret_cast<unsigned int*>(state.arrivals.data_ptr<int32_t>());
@@ -141,7 +142,11 @@ void suppress_eos_until(DecodeState& state, const at::Tensor& eos, int64_t vocab
   if (!state.eos_threshold.defined() || state.eos_threshold.numel() != vocab) {
     state.eos_threshold = at::zeros({vocab}, eos.options().dtype(at::kLong));
   }
-  state.eos_threshold.index_fill_(0, eos, min_new_tokens);
+  // Membership, not indexing: an id outside [0, vocab) marks nothing (it
+  // never ends a row either), as in transformers' isin-based processors, and
+  // cannot reach a device-side assert (Note [Token ids are checked on the host]).
+  const at::Tensor is_eos = at::isin(at::arange(vocab, eos.options().dtype(at::kLong)), eos);
+  at::mul_out(state.eos_threshold, is_eos, min_new_tokens);
 }
 
 at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
@@ -203,7 +208,9 @@ at::Tensor select_next_tokens(const at::Tensor& logits, DecodeState& state,
   if (has_eos && pad_token_id) {
     state.next.masked_fill_(state.finished.unsqueeze(1), *pad_token_id);
   }
-  state.tokens.index_copy_(1, state.step, state.next);
+  // Bounded like the fused kernel's write (the Decoder never lets the step
+  // reach the capacity; a caller of this function might).
+  state.tokens.index_copy_(1, state.step.clamp_max(state.tokens.size(1) - 1), state.next);
   if (has_eos) {
     // done still says whether every row had finished before this token.
     state.generated.add_(state.done, /*alpha=*/-1);

@@ -30,7 +30,7 @@ TorchGraph::~TorchGraph() { capture_workspaces_.clear(); }
 
 void TorchGraph::begin_capture(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode) {
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
-  share_stream_workspaces(stream.device_index(), stream.stream());
+  workspace_lease_ = share_stream_workspaces(stream.device_index(), stream.stream());
   workspaces_before_capture_ = workspace_keys();
   capture_begin(pool, mode);
 }
@@ -38,7 +38,7 @@ void TorchGraph::begin_capture(at::cuda::MempoolId_t pool, cudaStreamCaptureMode
 void TorchGraph::end_capture() {
   capture_end();
   capture_workspaces_ = take_capture_workspaces(workspaces_before_capture_, capture_dev_,
-                                                capture_stream_.stream(), /*may_allocate=*/true);
+                                                capture_stream_.stream(), workspace_lease_);
 }
 
 void TorchGraph::abandon_capture() noexcept {
@@ -57,9 +57,10 @@ void TorchGraph::abandon_capture() noexcept {
   // free them first, and keep them out of later captures.
   if (capture_dev_ != UNDEFINED_DEVICE) {
     take_capture_workspaces(workspaces_before_capture_, capture_dev_, capture_stream_.stream(),
-                            /*may_allocate=*/false);
+                            workspace_lease_);
   }
   capture_workspaces_.clear();
+  workspace_lease_.reset();
 
   if constexpr (!reset_releases_abandoned_capture()) {
     release_pool_without_reset();

@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -75,6 +76,8 @@ class TorchGraph final : public at::cuda::CUDAGraph {
 
   WorkspaceKeys workspaces_before_capture_;
   std::vector<at::DataPtr> capture_workspaces_;
+  // The shared cuBLAS workspace the graph's GEMMs write into, while it lives.
+  std::shared_ptr<void> workspace_lease_;
 };
 
 }  // namespace graphed::detail

@@ -26,6 +26,10 @@ struct BucketedDim {
   int64_t size = 0;
   /// The bucket `size` is padded up to (>= size).
   int64_t padded = 0;
+  /// True when `size` is 1 and several tensors have the dimension: which of
+  /// them are broadcast (Note [Bucket padding]) cannot be told from this
+  /// call, so no graph is captured ahead from it.
+  bool ambiguous = false;
 
   /// Equal dims, sizes and buckets.
   bool operator==(const BucketedDim& other) const {
@@ -47,7 +51,8 @@ class BucketPlan {
   /// True when some size is smaller than its bucket, so inputs need padding
   /// and outputs slicing.
   bool pads() const;
-  /// `sizes` with every bucketed dimension it has set to its bucket.
+  /// `sizes` with every bucketed dimension whose size is the call's set to
+  /// its bucket (a broadcast size of 1 stays: Note [Bucket padding]).
   std::vector<int64_t> padded_sizes(c10::IntArrayRef sizes) const;
   /// The same plan with every size set to its bucket (what a graph captured
   /// for these buckets is called with).
@@ -59,22 +64,58 @@ class BucketPlan {
   std::vector<BucketedDim> dims_;
 };
 
-/// Capture sizes per dimension: `{0: [1, 2, 4, 8]}` pads dimension 0 of every
-/// input tensor up to the next of those sizes.
-///
 /// Note [Bucket padding]
 /// ~~~~~~~~~~~~~~~~~~~~~
-/// A call pads every input tensor that has a bucketed dimension up to the
-/// smallest bucket not below the call's size there; all such tensors must
-/// agree on that size (it is the batch, say, of every input). The rows added
-/// hold earlier inputs' values or zeros, never uninitialised memory, and
-/// their results are cut off: every output tensor whose size along a
-/// bucketed dimension equals the bucket is narrowed back to the call's size.
-/// This is only exact for dimensions whose rows do not influence each other
-/// (a batch of independent sequences; not a dimension a layer reduces over,
-/// and not BatchNorm in training mode) -- the same contract as hand-written
-/// bucketed graphs. Sizes above the largest bucket are not covered: the call
-/// falls back to eager execution, or raises with fallback="raise".
+/// A call pads every input tensor that carries a bucketed dimension up to the
+/// smallest bucket not below the call's size there. The call's size is the
+/// one size, other than 1, that the tensors have there; a tensor of size 1
+/// there is broadcast against the others (transformers hands every decoder
+/// layer position ids, rotary tables and causal masks of batch size 1) and
+/// passes unpadded, so a graph captured at a bucket reads it as eager does.
+/// When every tensor has size 1 there the call's size is 1 and all of them
+/// are padded (harmless for broadcast ones: their rows repeat the same
+/// values); graphs are not captured ahead from such a call, since the
+/// broadcast tensors cannot be told apart in it. Tensors of two different
+/// sizes other than 1 cannot be bucketed: the call falls back, naming both.
+/// The rows added hold earlier inputs' values or zeros, never uninitialised
+/// memory, and their results are cut off: every output tensor whose size
+/// along a bucketed dimension equals the bucket is narrowed back to the
+/// call's size. This is only exact for dimensions whose rows do not
+/// influence each other (a batch of independent sequences; not a dimension a
+/// layer reduces over, and not BatchNorm in training mode) -- the same
+/// contract as hand-written bucketed graphs. Sizes above the largest bucket
+/// are not covered: the call falls back to eager execution, or raises with
+/// fallback="raise".
+
+/// Why a call cannot be bucketed, by tensor index, so that the caller names
+/// the tensors only when it reports the reason (BucketPolicy::plan_sizes).
+struct BucketMiss {
+  /// Two tensors have different sizes other than 1 (kDisagree), or the
+  /// call's size is above the largest bucket (kAboveLargest).
+  enum class Kind { kDisagree, kAboveLargest };
+  /// What went wrong.
+  Kind kind = Kind::kAboveLargest;
+  /// The bucketed dimension.
+  int64_t dim = 0;
+  /// The tensor whose size is the call's.
+  size_t first = 0;
+  /// kDisagree: the tensor of another size.
+  size_t other = 0;
+  /// Their sizes along `dim` (`other_size` only for kDisagree).
+  int64_t first_size = 0;
+  /// See first_size.
+  int64_t other_size = 0;
+
+  /// Same kind, dimension, tensors and sizes.
+  bool operator==(const BucketMiss& o) const {
+    return kind == o.kind && dim == o.dim && first == o.first && other == o.other &&
+           first_size == o.first_size && other_size == o.other_size;
+  }
+};
+
+/// Capture sizes per dimension: `{0: [1, 2, 4, 8]}` pads dimension 0 of every
+/// input tensor that carries it up to the next of those sizes (Note [Bucket
+/// padding]).
 class BucketPolicy {
  public:
   /// No buckets: every distinct size is its own graph.
@@ -99,6 +140,15 @@ class BucketPolicy {
   /// says what was found and how to fix it.
   std::optional<BucketPlan> plan(const std::vector<c10::IntArrayRef>& sizes,
                                  const std::vector<std::string>& paths, std::string* why) const;
+
+  /// plan() without names: returns nullopt and sets `miss` (when not null)
+  /// when the call cannot be bucketed. Builds no strings: the call path.
+  std::optional<BucketPlan> plan_sizes(const std::vector<c10::IntArrayRef>& sizes,
+                                       BucketMiss* miss) const;
+
+  /// The reason and fix for `miss`, naming its tensors by these paths.
+  std::string describe_miss(const BucketMiss& miss, const std::string& first_path,
+                            const std::string& other_path) const;
 
   /// Every combination of buckets of the dimensions in `like` (a plan of a
   /// call), largest first: descending by the product of the sizes, so that

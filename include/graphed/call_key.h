@@ -61,12 +61,14 @@ struct CallKey {
 CallKey key_of(const std::vector<c10::IValue>& inputs, const BucketPlan& plan, CallMode mode);
 
 /// Plans the bucket padding of a call on `inputs` (GraphManager's `(args,
-/// kwargs, module.training)`): appends the inputs' tensors to `tensors` and
-/// returns the plan of `buckets` for their sizes, or nullopt with the reason
-/// (naming the input, e.g. "args[0]") in `why` when a size has no bucket.
-/// Without buckets the plan pads nothing.
+/// kwargs, module.training)`): appends the inputs' defined tensors to
+/// `tensors` and returns the plan of `buckets` for their sizes, or nullopt
+/// when they cannot be bucketed: then `miss` (when not null) says which
+/// tensors, and `why` (when not null) gives the reason naming them (e.g.
+/// "args[0]"), built only then. Without buckets the plan pads nothing.
 std::optional<BucketPlan> plan_call_buckets(const BucketPolicy& buckets,
                                             const std::vector<c10::IValue>& inputs,
-                                            std::vector<at::Tensor>& tensors, std::string* why);
+                                            std::vector<at::Tensor>& tensors, std::string* why,
+                                            BucketMiss* miss = nullptr);
 
 }  // namespace graphed

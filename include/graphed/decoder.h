@@ -99,6 +99,12 @@ struct DecoderOptions {
   std::vector<int64_t> eos_token_ids;
   /// What finished rows emit; required when eos_token_ids is not empty.
   std::optional<int64_t> pad_token_id;
+  /// How many token ids the model takes (the rows of its input embedding).
+  /// When set, prompts and pad_token_id are checked against it on the host
+  /// before any kernel reads them (Note [Token ids are checked on the host]);
+  /// unset, the logits' width is the vocabulary, known after the first
+  /// prefill.
+  std::optional<int64_t> vocab_size;
   /// The token loop reads the "all rows finished" flag from the device every
   /// this many tokens (>= 1): fewer host waits, at most check_every - 1
   /// wasted steps after the last row finishes (their tokens are dropped).
@@ -434,6 +440,8 @@ class Decoder {
   void run_step(Bucket& bucket);
   void decode_step(const DecodeInputs& inputs, DecodeState& state);
   void select(const at::Tensor& logits, DecodeState& state);
+  void learn_vocab(int64_t vocab);
+  void check_prompt_ids(const at::Tensor& input_ids) const;
   Prefill& prefill_for(int64_t rows, int64_t prompt_len, bool padded);
   void prefill_body(Prefill& prefill);
   void run_prefill(Prefill& prefill, const Bucket& bucket);
@@ -452,6 +460,11 @@ class Decoder {
   DecodeInputs inputs_;
   DecodeState state_;
   at::Tensor eos_;
+  // The vocabulary once known (DecoderOptions::vocab_size, else the first
+  // logits' width), and the token of rows padding a batch to its bucket:
+  // Note [Token ids are checked on the host] in decoder.cpp.
+  std::optional<int64_t> vocab_;
+  int64_t filler_token_ = 0;
   bool poll_done();
 
   at::Tensor done_host_;  // pinned, [1] bool: the done flag's last copy

@@ -10,6 +10,7 @@
 /// recently used graphs; a module that cannot be captured runs eagerly while
 /// the others stay graphed, and every such fallback is counted with its reason.
 
+#include "graphed/auto_buckets.h"
 #include "graphed/bucket_policy.h"
 #include "graphed/call_key.h"
 #include "graphed/capture.h"
@@ -50,6 +51,13 @@ struct GraphManagerOptions {
   int warmup = 3;
   /// Bucketed dimensions; none by default.
   BucketPolicy buckets;
+  /// Without `buckets`: pick power-of-two buckets along dimension 0 for a
+  /// module whose inference calls came at pick_buckets_after sizes (checked
+  /// against eager on the first padded call); see Note [Buckets graphed
+  /// picks itself] in auto_buckets.h. False: one graph per signature.
+  bool pick_buckets = false;
+  /// See pick_buckets (>= 2).
+  int64_t pick_buckets_after = 4;
   /// Limit of the summed memory of live graphs (Note [Graph memory
   /// accounting]); least recently used graphs are evicted to stay under it.
   std::optional<int64_t> memory_budget_bytes;
@@ -161,6 +169,9 @@ struct GraphManagerStats {
   std::vector<FallbackStats> fallbacks;
   /// Training graphs captured together, in order of capture.
   std::vector<TrainingGroupStats> training_groups;
+  /// What the manager decided by itself, one line each: buckets it picked
+  /// for a module (Note [Buckets graphed picks itself]), or refused to keep.
+  std::vector<std::string> notes;
   /// Findings of the warm-up check inside installed packages that a capture
   /// never met: the module captured and replays
   /// (Note [Capture is the verdict] in safety_check.cpp). `reason` holds the
@@ -187,6 +198,18 @@ class GraphManager {
   /// reached from inside a captured one) runs eagerly and is not counted.
   c10::IValue call(size_t index, const std::vector<c10::IValue>& inputs);
 
+  /// call(), except that a call that falls back (counted, with its reason)
+  /// is not run: nullopt tells the caller to run the module's own forward
+  /// itself, which spares a fallback the conversions into and out of the
+  /// core (Note [A fallback costs nothing]).
+  std::optional<c10::IValue> try_call(size_t index, const std::vector<c10::IValue>& inputs);
+
+  /// True once module `index` falls back for good (a capture blocker or a
+  /// failed capture): no later call can use a graph, so the caller may route
+  /// them straight to the module's own forward (Note [A fallback costs
+  /// nothing]).
+  bool blocked(size_t index) const;
+
   /// Counters, memory and fallbacks.
   GraphManagerStats stats() const;
   /// The options.
@@ -199,18 +222,28 @@ class GraphManager {
   struct Slot;
   struct Module;
 
-  c10::IValue call_locked(Module& module, const std::vector<c10::IValue>& inputs);
+  std::optional<c10::IValue> call_locked(Module& module, const std::vector<c10::IValue>& inputs,
+                                         bool caller_runs_fallbacks);
+  std::optional<BucketPlan> plan_call(Module& module, const BucketPolicy& policy,
+                                      const std::vector<c10::IValue>& inputs,
+                                      std::vector<at::Tensor>& tensors, std::string& why);
+  bool pick_buckets_for(Module& module, const std::vector<c10::IValue>& inputs);
+  std::optional<c10::IValue> check_picked_buckets(Module& module,
+                                                  const std::vector<c10::IValue>& inputs,
+                                                  const c10::IValue& replayed);
+  void evict_inference_slots(Module& module);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
   void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
                             const c10::IValue& output);
   void capture_training_group(Module& trigger);
-  c10::IValue fall_back(Module& module, const std::string& reason,
-                        const std::vector<c10::IValue>& inputs);
+  std::optional<c10::IValue> fall_back(Module& module, const std::string& reason,
+                                       const std::vector<c10::IValue>& inputs,
+                                       bool caller_runs_fallbacks);
   c10::IValue run_eager(Module& module, const std::vector<c10::IValue>& inputs);
   Slot* find_slot(Module& module, CallMode mode, const BucketPlan& plan,
                   const std::vector<c10::IValue>& inputs);
   Slot& capture_slot(Module& module, CallMode mode, const BucketPlan& plan,
-                     const std::vector<c10::IValue>& inputs);
+                     const std::vector<c10::IValue>& inputs, const BucketPolicy& policy);
   void enforce_budget(const Slot& keep);
   void evict(uint64_t id);
   void restart_warmup(Module& module);

@@ -25,6 +25,7 @@ ModuleChoice = Union[str, type]
 
 _MANAGER_ATTRIBUTE = "_graphed_auto_manager"
 _NOTES_ATTRIBUTE = "_graphed_auto_notes"
+_OWN_FORWARDS_ATTRIBUTE = "_graphed_auto_own_forwards"
 
 
 def auto(
@@ -32,7 +33,7 @@ def auto(
     *,
     modules: Optional[Union[ModuleChoice, Sequence[ModuleChoice]]] = None,
     warmup: int = 3,
-    buckets: Optional[Mapping[int, Iterable[int]]] = None,
+    buckets: Union[str, Mapping[int, Iterable[int]], None] = "auto",
     memory_budget: Optional[Union[int, str]] = None,
     fallback: str = "eager",
     check: bool = True,
@@ -57,11 +58,17 @@ def auto(
             names from ``model.named_modules()`` and/or classes (every
             outermost instance), alone or in a list.
         warmup: eager calls per module before capture (at least 1).
-        buckets: ``{dim: sizes}``: pad every input tensor's ``dim`` up to the
-            next size, capturing each size (largest first) on the module's
-            first capture; outputs are sliced back. Only for dimensions whose
-            rows are independent (a batch). Without buckets every new
-            signature gets its own graph.
+        buckets: ``{dim: sizes}``: pad every input tensor that has ``dim``
+            up to the next size, capturing each size (largest first) on the
+            module's first capture; outputs are sliced back. Tensors of size
+            1 there are broadcast (transformers' position ids, rotary tables,
+            causal masks) and pass unpadded. Only for dimensions whose rows
+            are independent (a batch). ``"auto"`` (the default): one graph
+            per signature until a module's inference calls come at 4 batch
+            sizes, then power-of-two buckets along dimension 0, checked
+            against eager on the first padded call (``stats()["notes"]``
+            says what was picked, or refused); ``None``: one graph per
+            signature, always.
         memory_budget: limit of the graphs' memory: bytes or a size such as
             ``"2GiB"``; least recently used graphs are evicted to stay under
             it. ``None`` for no limit.
@@ -109,9 +116,11 @@ def auto(
     infos = _module_infos(model)
     names = _C.select_repeated_blocks(infos) if modules is None else _resolve(model, modules)
     _C.validate_module_selection(names, infos)
+    pick_buckets = isinstance(buckets, str) and buckets == "auto"
     manager = _C.GraphManager(
         warmup=warmup,
-        buckets=_buckets(buckets),
+        buckets=None if pick_buckets else _buckets(buckets),
+        pick_buckets=pick_buckets,
         memory_budget=memory_budget,
         fallback=fallback,
         check_blockers=bool(check),
@@ -120,8 +129,10 @@ def auto(
         capture_error_mode=capture_error_mode,
         input_update=input_update,
         # A module's first capture with buckets captures every size ahead.
-        on_capture_ahead=CaptureProgress("graphed.auto: capturing") if buckets else None,
+        on_capture_ahead=(CaptureProgress("graphed.auto: capturing")
+                          if buckets and not pick_buckets else None),
     )
+    own_forwards: List[str] = []
     for name in names:
         module = model.get_submodule(name)
         submodules = list(module.modules())
@@ -135,8 +146,9 @@ def auto(
             [m._parameters for m in submodules],
             [m._buffers for m in submodules],
         )
-        module.forward = _managed_forward(manager, index, module)
+        module.forward = _managed_forward(manager, index, module, name, own_forwards)
     object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
+    object.__setattr__(model, _OWN_FORWARDS_ATTRIBUTE, own_forwards)
     notes = _turn_cache_off_in_training(model)
     object.__setattr__(model, _NOTES_ATTRIBUTE, notes)
     logger.debug("auto: %s graphs %d module(s): %s", type(model).__name__, len(names),
@@ -191,13 +203,36 @@ def stats(model: nn.Module) -> Dict[str, Any]:
             "This model is not managed by graphed.auto; wrap it first: model = graphed.auto(model)."
         )
     result = manager.stats()
-    result["notes"] = list(getattr(model, _NOTES_ATTRIBUTE, []))
+    result["notes"] = list(getattr(model, _NOTES_ATTRIBUTE, [])) + result.pop("manager_notes")
+    for name in getattr(model, _OWN_FORWARDS_ATTRIBUTE, []):
+        result["modules"][name]["own_forward"] = True
     return result
 
 
-def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module):
+def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module, name: str,
+                     own_forwards: List[str]):
+    """The forward graphed.auto installs. A call the core sends back
+    (``_C.RUN_EAGER``: it fell back, and was counted) runs the module's own
+    forward on the objects at hand; once the module can never use a graph,
+    its own forward goes back in place, so that its calls run no graphed code
+    at all (Note [A fallback costs nothing] in src/graph_manager.cpp)."""
+    previous = module.__dict__.get("forward")  # an instance forward of the user's, if any
+    own = previous if previous is not None else type(module).forward.__get__(module)
+    run_eager = _C.RUN_EAGER
+
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return manager.call(index, args, kwargs, module.training)
+        out = manager.call(index, args, kwargs, module.training)
+        if out is run_eager:
+            if manager.blocked(index) and module.__dict__.get("forward") is forward:
+                if previous is None:
+                    del module.forward
+                else:
+                    module.forward = previous
+                own_forwards.append(name)
+                logger.info("auto: %s can never use a graph; it runs its own forward again "
+                            "(stats()['fallbacks'] has why)", name or "<root>")
+            return own(*args, **kwargs)
+        return out
 
     forward.__signature__ = _signature_of(module.forward)  # type: ignore[attr-defined]
     return forward
@@ -263,9 +298,12 @@ def _resolve(model: nn.Module, modules: Union[ModuleChoice, Sequence[ModuleChoic
     return names
 
 
-def _buckets(buckets: Optional[Mapping[int, Iterable[int]]]) -> Optional[Dict[int, List[int]]]:
+def _buckets(buckets: Union[str, Mapping[int, Iterable[int]], None]
+             ) -> Optional[Dict[int, List[int]]]:
     if buckets is None:
         return None
+    if isinstance(buckets, str):
+        raise TypeError(f'buckets must be "auto", None or a dict {{dim: sizes}}, got {buckets!r}')
     if not isinstance(buckets, Mapping):
         raise TypeError(
             "buckets must be a dict {dim: sizes}, e.g. {0: [1, 2, 4, 8]}, got "

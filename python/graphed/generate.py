@@ -319,6 +319,18 @@ def _settings(model, arguments):
     }
 
 
+def _input_vocabulary(model):
+    """How many token ids the model's input embedding takes, or None when it
+    has none graphed can see (the core then checks against the logits' width):
+    Note [Token ids are checked on the host] in src/decoder.cpp."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    rows = getattr(embedding, "num_embeddings", None)
+    return int(rows) if isinstance(rows, int) else None
+
+
 def _sampling_key(settings):
     return tuple(settings[k] for k in ("do_sample", "temperature", "top_k", "top_p",
                                        "pad_token_id")) + (tuple(settings["eos_token_ids"]),)
@@ -374,7 +386,7 @@ class Decoder:
             eos_token_ids=settings["eos_token_ids"], pad_token_id=settings["pad_token_id"],
             check_every=check_every, memory_budget=memory_budget, warmup=warmup,
             use_graphs=use_graphs, capture_error_mode=capture_error_mode, device=device,
-            prefill_graphs=prefill_graphs)
+            prefill_graphs=prefill_graphs, vocab_size=_input_vocabulary(model))
         adapter.append(_StaticCacheModel(model, max_batch, max_len, compile_options))
         self._adapter = adapter
         if capture and use_graphs:

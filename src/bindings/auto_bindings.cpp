@@ -17,13 +17,15 @@ std::unique_ptr<GraphManager> make_manager(int warmup, const py::object& buckets
                                            int capture_warmup, int max_capture_ahead,
                                            const std::string& capture_error_mode,
                                            const std::string& input_update,
-                                           const py::object& on_capture_ahead) {
+                                           const py::object& on_capture_ahead,
+                                           bool pick_buckets) {
   GraphManagerOptions options;
   options.warmup = warmup;
   if (!buckets.is_none()) {
     options.buckets =
         BucketPolicy(buckets.cast<std::map<int64_t, std::vector<int64_t>>>());
   }
+  options.pick_buckets = pick_buckets;
   options.memory_budget_bytes = memory_budget_from_python(memory_budget);
   options.fallback = parse_fallback_policy(fallback);
   options.check_blockers = check_blockers;
@@ -112,6 +114,7 @@ py::dict stats_to_python(const GraphManagerStats& stats) {
     false_findings.append(entry);
   }
   out["check_false_findings"] = false_findings;
+  out["manager_notes"] = stats.notes;
   return out;
 }
 
@@ -136,13 +139,16 @@ void register_auto(py::module_& m) {
       py::arg("chosen"), py::arg("modules"),
       "Raise when a chosen name is unknown, repeated, or contains another chosen module.");
 
+  // What GraphManager.call returns for a call the caller must run itself.
+  auto run_eager = share_object(py::module_::import("builtins").attr("object")());
+  m.attr("RUN_EAGER") = *run_eager;
   py::class_<GraphManager>(m, "GraphManager",
                            "Automatic per-module capture (graphed.auto's core).")
       .def(py::init(&make_manager), py::arg("warmup"), py::arg("buckets"),
            py::arg("memory_budget"), py::arg("fallback"), py::arg("check_blockers"),
            py::arg("capture_warmup"), py::arg("max_capture_ahead"),
            py::arg("capture_error_mode"), py::arg("input_update"),
-           py::arg("on_capture_ahead") = py::none())
+           py::arg("on_capture_ahead") = py::none(), py::arg("pick_buckets") = false)
       .def(
           "add_module",
           [](GraphManager& self, std::string name, std::string type, py::object forward,
@@ -165,19 +171,25 @@ void register_auto(py::module_& m) {
           py::arg("buffer_dicts") = py::none())
       .def(
           "call",
-          [](GraphManager& self, size_t index, const py::tuple& args, const py::dict& kwargs,
-             bool training) {
+          [run_eager](GraphManager& self, size_t index, const py::tuple& args,
+                      const py::dict& kwargs, bool training) -> py::object {
             const std::vector<c10::IValue> inputs{to_ivalue(args), to_ivalue(kwargs),
                                                   c10::IValue(training)};
-            c10::IValue outputs;
+            std::optional<c10::IValue> outputs;
             {
               const WarningsToPython warnings;
               py::gil_scoped_release no_gil;
-              outputs = self.call(index, inputs);
+              outputs = self.try_call(index, inputs);
             }
-            return to_python(outputs);
+            // Note [A fallback costs nothing]: the caller runs the forward.
+            return outputs ? to_python(*outputs) : *run_eager;
           },
-          py::arg("index"), py::arg("args"), py::arg("kwargs"), py::arg("training"))
+          py::arg("index"), py::arg("args"), py::arg("kwargs"), py::arg("training"),
+          "Runs module `index`; returns graphed._C.RUN_EAGER when the call falls back "
+          "(counted): the caller then runs the module's own forward.")
+      .def("blocked", &GraphManager::blocked, py::arg("index"),
+           "True once the module falls back for good: its calls can go straight to its own "
+           "forward.")
       .def("stats", [](const GraphManager& self) { return stats_to_python(self.stats()); })
       .def("clear", &GraphManager::clear, py::call_guard<py::gil_scoped_release>());
 }

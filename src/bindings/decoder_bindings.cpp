@@ -51,7 +51,8 @@ std::unique_ptr<Decoder> make_decoder(py::object step, py::object prefill, py::o
                                       std::optional<int64_t> pad_token_id, int64_t check_every,
                                       const py::object& memory_budget, int warmup,
                                       bool use_graphs, const std::string& capture_error_mode,
-                                      const py::object& device, int64_t prefill_graphs) {
+                                      const py::object& device, int64_t prefill_graphs,
+                                      std::optional<int64_t> vocab_size) {
   GRAPHED_CHECK(THPDevice_Check(device.ptr()), "Expected device to be a torch.device, got ",
                 py::repr(device).cast<std::string>(), ".");
   DecoderOptions options;
@@ -61,6 +62,7 @@ std::unique_ptr<Decoder> make_decoder(py::object step, py::object prefill, py::o
   options.sampling = SamplingOptions{do_sample, temperature, top_k, top_p, min_tokens_to_keep};
   options.eos_token_ids = std::move(eos_token_ids);
   options.pad_token_id = pad_token_id;
+  options.vocab_size = vocab_size;
   options.check_every = check_every;
   options.memory_budget_bytes = memory_budget_from_python(memory_budget);
   options.warmup_iters = warmup;
@@ -104,7 +106,7 @@ void register_decoder(py::module_& m) {
            py::arg("min_tokens_to_keep"), py::arg("eos_token_ids"), py::arg("pad_token_id"),
            py::arg("check_every"), py::arg("memory_budget"), py::arg("warmup"),
            py::arg("use_graphs"), py::arg("capture_error_mode"), py::arg("device"),
-           py::arg("prefill_graphs") = 16)
+           py::arg("prefill_graphs") = 16, py::arg("vocab_size") = py::none())
       .def(
           "capture_all",
           [](Decoder& self, const py::object& on_captured) {

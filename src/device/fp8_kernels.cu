@@ -322,7 +322,9 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(AmaxReduction reduction)
 
 __global__ void __launch_bounds__(kThreads) delayed_scaling_update_kernel(
     DelayedScalingUpdate update) {
-  const int64_t slot = *update.slot;
+  // A slot loaded from a checkpoint may be anything: wrap it into the history.
+  const int64_t slot = ((*update.slot % update.history_len) + update.history_len) %
+                       update.history_len;
   for (int64_t t = threadIdx.x; t < update.tensors; t += kThreads) {
     const float amax = update.amax[t];
     float* history = update.history + t * update.history_len;

@@ -175,7 +175,9 @@ __global__ void __launch_bounds__(kThreads) greedy_step_kernel(GreedyStep step, 
       token = step.pad_token_id;
     }
     step.next[row * step.next_row_stride] = token;
-    step.tokens[row * step.tokens_row_stride + position] = token;
+    if (position >= 0 && position < step.tokens_capacity) {
+      step.tokens[row * step.tokens_row_stride + position] = token;
+    }
     if (tracks_eos) {
       bool ended = false;
       for (int64_t e = 0; e < step.eos_count; ++e) {

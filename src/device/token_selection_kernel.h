@@ -47,6 +47,9 @@ struct GreedyStep {
   bool* finished = nullptr;
   int64_t* tokens = nullptr;
   int64_t tokens_row_stride = 0;
+  /// Columns of `tokens`: a step at or past it writes no token (the host
+  /// keeps steps below it; the bound keeps a wrong caller in bounds).
+  int64_t tokens_capacity = 0;
   /// step at counters[0], generated at counters[1], then the caller's.
   int64_t* counters = nullptr;
   int64_t counter_count = 0;

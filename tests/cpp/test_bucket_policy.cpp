@@ -78,6 +78,44 @@ TEST(BucketPolicy, TensorsThatDisagreeAlongADimensionAreNamed) {
   EXPECT_NE(why.find("args[0] has size 3 there and kwargs['h'] has 5"), std::string::npos) << why;
 }
 
+TEST(BucketPolicy, TensorsOfSizeOneAreBroadcastAndStayUnpadded) {
+  // Note [Bucket padding]: transformers' position ids and rotary tables.
+  const BucketPolicy policy(Buckets{{0, {4, 8}}});
+  const std::vector<int64_t> hidden{5, 7, 16};
+  const std::vector<int64_t> positions{1, 7};
+  const auto plan = policy.plan({positions, hidden}, {"kwargs['position_ids']", "args[0]"}, nullptr);
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_EQ(plan->dims()[0], (BucketedDim{0, 5, 8}));
+  EXPECT_FALSE(plan->dims()[0].ambiguous);
+  EXPECT_EQ(plan->padded_sizes(hidden), (std::vector<int64_t>{8, 7, 16}));
+  EXPECT_EQ(plan->padded_sizes(positions), (std::vector<int64_t>{1, 7}));
+  // Every tensor of size 1: the call's size is 1, and all of them pad.
+  const auto ones = policy.plan({positions, std::vector<int64_t>{1, 7, 16}}, {"a", "b"}, nullptr);
+  ASSERT_TRUE(ones.has_value());
+  EXPECT_EQ(ones->dims()[0], (BucketedDim{0, 1, 4}));
+  EXPECT_TRUE(ones->dims()[0].ambiguous);
+  EXPECT_EQ(ones->padded_sizes(positions), (std::vector<int64_t>{4, 7}));
+  // One tensor alone is never ambiguous.
+  EXPECT_FALSE(policy.plan({positions}, {"a"}, nullptr)->dims()[0].ambiguous);
+}
+
+TEST(BucketPolicy, PlanSizesReportsTheMissByTensorIndex) {
+  const BucketPolicy policy(Buckets{{0, {4}}});
+  const std::vector<int64_t> a{3, 2};
+  const std::vector<int64_t> one{1, 2};
+  const std::vector<int64_t> b{2, 2};
+  BucketMiss miss;
+  EXPECT_FALSE(policy.plan_sizes({a, one, b}, &miss).has_value());
+  EXPECT_EQ(miss, (BucketMiss{BucketMiss::Kind::kDisagree, 0, 0, 2, 3, 2}));
+  EXPECT_NE(policy.describe_miss(miss, "x", "y").find("(those of size 1 there are broadcast and "
+                                                      "pass unpadded), but x has size 3 there and "
+                                                      "y has 2"),
+            std::string::npos);
+  const std::vector<int64_t> big{9, 2};
+  EXPECT_FALSE(policy.plan_sizes({one, big}, &miss).has_value());
+  EXPECT_EQ(miss, (BucketMiss{BucketMiss::Kind::kAboveLargest, 0, 1, 0, 9, 0}));
+}
+
 TEST(BucketPolicy, DimensionNoTensorHasIsLeftOut) {
   const BucketPolicy policy(Buckets{{2, {8}}});
   const std::vector<int64_t> x{3, 2};

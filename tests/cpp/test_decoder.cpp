@@ -182,6 +182,23 @@ TEST(SelectNextTokens, MinNewTokensSuppressEosUntilReached) {
             (std::vector<int64_t>{5}));
 }
 
+TEST(SelectNextTokens, IdsOutsideTheVocabularyAreNeverIndexes) {
+  // Note [Token ids are checked on the host]: an eos id outside the
+  // vocabulary marks nothing, and a step past the capacity writes in bounds.
+  DecodeState state = graphed::make_decode_state(1, 2, at::kCPU);
+  const at::Tensor eos = at::tensor({50256, -3, 2}, at::kLong);
+  graphed::suppress_eos_until(state, eos, kVocab, 4);
+  std::vector<int64_t> want(kVocab, 0);
+  want[2] = 4;
+  EXPECT_EQ(to_vector(state.eos_threshold), want);
+  at::Tensor logits = at::zeros({1, kVocab});
+  logits.index_put_({0, 7}, 1.0);
+  state.step.fill_(5);
+  EXPECT_EQ(to_vector(graphed::select_next_tokens(logits, state, {}, eos, 0)),
+            (std::vector<int64_t>{7}));
+  EXPECT_EQ(to_vector(state.tokens), (std::vector<int64_t>{0, 7}));
+}
+
 TEST(SelectNextTokens, GreedyInTheLogitsDtypeWritesNextAndAdvancesTheCounters) {
   // Two extra counters stand for a caller's positions: they advance with step.
   DecodeState state = graphed::make_decode_state(2, 3, at::kCPU, /*extra_counters=*/2);
@@ -338,6 +355,37 @@ TEST(DecoderLoop, RequestsOverTheLimitsAreRefusedBeforeAnyWork) {
   const at::Tensor long_prompt = at::zeros({1, 6}, at::kLong);
   EXPECT_THROW_WITH(decoder.generate(long_prompt, at::Tensor(), 4), graphed::Error,
                     "needs 9 cache positions");
+  EXPECT_EQ(to_vector(model.length), (std::vector<int64_t>{0}));
+}
+
+TEST(DecoderLoop, TokenIdsOutsideTheVocabularyAreRefusedOrNeverEndARow) {
+  // Note [Token ids are checked on the host].
+  ToyModel model(at::kCPU);
+  DecoderOptions options = toy_options(4, 32, false);
+  options.vocab_size = kVocab;
+  options.eos_token_ids = {5};
+  options.pad_token_id = 50000;
+  EXPECT_THROW_WITH(toy_decoder(model, options, at::kCPU), graphed::Error,
+                    "Expected pad_token_id within the model's vocabulary [0, 11), got 50000");
+  // GPT-2's default eos (50256) in a small vocabulary, as its pad too: no row
+  // ever finishes, as in transformers, and the rows padding the batch to its
+  // bucket read token 0.
+  options.eos_token_ids = {50256};
+  options.pad_token_id = 50256;
+  Decoder decoder = toy_decoder(model, options, at::kCPU);
+  const at::Tensor ids = at::tensor({1, 3, 4}, at::kLong).view({3, 1});
+  const graphed::DecodeResult result = decoder.generate(ids, at::Tensor(), 6, /*min_new_tokens=*/2);
+  EXPECT_EQ(result.steps, 6);
+  const auto expected = model.expected({{1}, {3}, {4}}, {1, 1, 1}, 6);
+  for (int64_t row = 0; row < 3; ++row) {
+    EXPECT_EQ(to_vector(result.tokens[row]), expected[row]) << "row " << row;
+  }
+  model.length.zero_();
+  EXPECT_THROW_WITH(decoder.generate(at::tensor({2, 11}, at::kLong).view({1, 2}), at::Tensor(), 3),
+                    graphed::Error, "Expected prompt token ids in [0, 11) (the model's "
+                    "vocabulary), got ids from 2 to 11");
+  EXPECT_THROW_WITH(decoder.generate(at::tensor({-1}, at::kLong).view({1, 1}), at::Tensor(), 3),
+                    graphed::Error, "got ids from -1 to -1");
   EXPECT_EQ(to_vector(model.length), (std::vector<int64_t>{0}));
 }
 

@@ -25,6 +25,10 @@ TEST(GraphManagerOptions, AreValidated) {
   EXPECT_THROW_WITH(parse_fallback_policy("ignore"), Error,
                     "Expected fallback to be \"eager\"");
   EXPECT_EQ(parse_fallback_policy("raise"), FallbackPolicy::kRaise);
+  GraphManagerOptions picking;
+  picking.pick_buckets_after = 1;
+  EXPECT_THROW_WITH(GraphManager{picking}, Error, "Expected pick_buckets_after >= 2 (the batch sizes seen before buckets are "
+                    "picked), got 1");
 }
 
 // What the fake factories saw and did.
@@ -218,6 +222,146 @@ TEST_F(ManagerFixture, BucketsCaptureLargestFirstThenPadAndSlice) {
   const GraphManagerStats stats = manager.stats();
   EXPECT_EQ(stats.captures, 4);
   EXPECT_EQ(stats.replays, 6);
+}
+
+// x * 2 + bias (its mean over dimension 0), the bias broadcast along
+// dimension 0 (as transformers hands its layers position ids of batch size 1).
+ModuleSpec broadcasting_module(int64_t* eager_runs) {
+  ModuleSpec spec;
+  spec.name = "layer";
+  spec.type = "Shifter";
+  spec.forward = [eager_runs](const std::vector<IValue>& inputs) -> IValue {
+    ++*eager_runs;
+    const at::Tensor x = inputs.at(0).toTupleRef().elements().at(0).toTensor();
+    const at::Tensor bias = inputs.at(1).toGenericDict().at("bias").toTensor();
+    return x * 2 + bias.mean(0, /*keepdim=*/true);
+  };
+  return spec;
+}
+
+std::vector<IValue> inputs_with_bias(const at::Tensor& x, const at::Tensor& bias) {
+  c10::impl::GenericDict kwargs(c10::StringType::get(), c10::AnyType::get());
+  kwargs.insert("bias", bias);
+  return {c10::ivalue::Tuple::create({x}), kwargs, IValue(false)};
+}
+
+TEST_F(ManagerFixture, BroadcastInputsOfSizeOnePassUnpadded) {
+  // Note [Bucket padding].
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.buckets = BucketPolicy(Buckets{{0, {1, 2, 4, 8}}});
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(broadcasting_module(&eager_runs));
+  const at::Tensor bias = at::arange(2, at::kFloat).reshape({1, 2});
+  (void)manager.call(m, inputs_with_bias(at::ones({3, 2}), bias));  // warm-up
+  for (int64_t batch : {3, 5, 8, 1, 2}) {
+    const at::Tensor x = at::rand({batch, 2});
+    EXPECT_TRUE(at::allclose(manager.call(m, inputs_with_bias(x, bias)).toTensor(), x * 2 + bias));
+  }
+  const GraphManagerStats stats = manager.stats();
+  EXPECT_TRUE(stats.fallbacks.empty()) << stats.fallbacks.front().reason;
+  EXPECT_EQ(stats.captures, 4);  // 8, 4, 2, 1 ahead from the call of 3
+  EXPECT_EQ(stats.replays, 5);
+  // Two sizes other than 1 cannot be bucketed: both tensors are named.
+  (void)manager.call(m, inputs_with_bias(at::ones({3, 2}), at::ones({2, 2})));
+  ASSERT_EQ(manager.stats().fallbacks.size(), 1u);
+  EXPECT_NE(manager.stats().fallbacks[0].reason.find(
+                "args[0] has size 3 there and kwargs['bias'] has 2"),
+            std::string::npos)
+      << manager.stats().fallbacks[0].reason;
+}
+
+TEST_F(ManagerFixture, ACallOfSizeOneCapturesNothingAhead) {
+  // Which tensors are broadcast cannot be told from it (Note [Bucket padding]).
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.buckets = BucketPolicy(Buckets{{0, {1, 2, 4}}});
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(broadcasting_module(&eager_runs));
+  const at::Tensor bias = at::ones({1, 2});
+  (void)manager.call(m, inputs_with_bias(at::ones({1, 2}), bias));
+  (void)manager.call(m, inputs_with_bias(at::ones({1, 2}), bias));
+  EXPECT_EQ(manager.stats().captures, 1);
+  // The first call that tells them apart captures the rest, not 1 again.
+  (void)manager.call(m, inputs_with_bias(at::ones({3, 2}), bias));
+  EXPECT_EQ(manager.stats().captures, 3);
+  (void)manager.call(m, inputs_with_bias(at::ones({1, 2}), bias));
+  EXPECT_EQ(manager.stats().captures, 3);
+  EXPECT_EQ(manager.stats().replays, 3);
+}
+
+TEST_F(ManagerFixture, PicksBucketsAfterFourBatchSizesAndChecksThemAgainstEager) {
+  // Note [Buckets graphed picks itself].
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.pick_buckets = true;
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  for (int64_t batch : {3, 3, 5, 6, 7, 9, 13, 16, 2}) {
+    const at::Tensor x = at::rand({batch, 2});
+    EXPECT_TRUE(at::allclose(manager.call(m, call_inputs(x)).toTensor(), x * 2 + 1)) << batch;
+  }
+  const GraphManagerStats stats = manager.stats();
+  // 3, 5 and 6 each their own graph; 7 picks buckets, dropping them: 8, 16 and 2.
+  EXPECT_EQ(stats.captures, 6);
+  EXPECT_EQ(stats.graphs, 3);
+  ASSERT_EQ(stats.notes.size(), 1u);
+  EXPECT_NE(stats.notes[0].find("layer: inference calls came at 4 batch sizes, so graphed pads "
+                                "them to power-of-two sizes"),
+            std::string::npos)
+      << stats.notes[0];
+  EXPECT_TRUE(stats.fallbacks.empty());
+}
+
+TEST_F(ManagerFixture, PickedBucketsThatChangeTheResultAreDropped) {
+  // Rows that influence each other (x minus its mean over dimension 0):
+  // padding changes every row, and the module keeps one graph per size.
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.pick_buckets = true;
+  GraphManager manager = make(options);
+  ModuleSpec spec;
+  spec.name = "centering";
+  spec.type = "Centering";
+  spec.forward = [](const std::vector<IValue>& inputs) -> IValue {
+    const at::Tensor x = inputs.at(0).toTupleRef().elements().at(0).toTensor();
+    return x - x.mean(0, /*keepdim=*/true);
+  };
+  const size_t m = manager.add_module(std::move(spec));
+  for (int64_t batch : {3, 3, 5, 6, 7, 9, 7}) {
+    const at::Tensor x = at::rand({batch, 2}) + 1;
+    EXPECT_TRUE(at::allclose(manager.call(m, call_inputs(x)).toTensor(),
+                             x - x.mean(0, true), 1e-5, 1e-6))
+        << batch;
+  }
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.notes.size(), 1u);
+  EXPECT_NE(stats.notes[0].find("did not match eager (output: relative difference"),
+            std::string::npos)
+      << stats.notes[0];
+  EXPECT_NE(stats.notes[0].find("keeps one graph per size"), std::string::npos);
+  EXPECT_EQ(stats.graphs, 2);  // 7 (after the refusal) and 9
+}
+
+TEST_F(ManagerFixture, TryCallLeavesFallbacksToTheCallerAndSaysWhenBlocked) {
+  // Note [A fallback costs nothing].
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.buckets = BucketPolicy(Buckets{{0, {2, 4}}});
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(doubling_module("layer", &eager_runs));
+  (void)manager.try_call(m, call_inputs(at::ones({2, 2})));  // warm-up runs here
+  const int64_t runs = eager_runs;
+  EXPECT_FALSE(manager.try_call(m, call_inputs(at::ones({9, 2}))).has_value());
+  EXPECT_FALSE(manager.try_call(m, call_inputs(at::ones({9, 2}))).has_value());
+  EXPECT_EQ(eager_runs, runs);  // the caller runs them
+  EXPECT_EQ(manager.stats().fallback_calls, 2);
+  EXPECT_EQ(manager.stats().fallbacks.at(0).count, 2);
+  EXPECT_TRUE(manager.try_call(m, call_inputs(at::ones({2, 2}))).has_value());
+  EXPECT_FALSE(manager.blocked(m));
+  journal.fail_capture = true;
+  EXPECT_FALSE(manager.try_call(m, call_inputs(at::ones({3, 3}))).has_value());
+  EXPECT_TRUE(manager.blocked(m));
 }
 
 TEST_F(ManagerFixture, UncoveredSizeFallsBackWithTheFix) {

@@ -13,7 +13,9 @@ import torch
 import graphed
 from graphed import workloads
 
-pytestmark = pytest.mark.gpu
+# optimize keeps a capture only when it measures it faster: GPU time shared with
+# other test processes would decide that for it.
+pytestmark = [pytest.mark.gpu, pytest.mark.exclusive]
 
 QUICK = graphed.ProfileSettings(timed_iters=5, timed_repeats=3)
 

@@ -175,9 +175,35 @@ def test_a_blocker_is_found_at_warmup_and_reported(tmp_path):
     stats = model.stats()
     assert stats["modules"]["1"]["state"] == "eager"
     (fallback,) = stats["fallbacks"]
-    assert fallback["count"] == 2
+    # Note [A fallback costs nothing]: the first call after the warm-up that
+    # found the blocker is counted; it put the module's own forward back.
+    assert fallback["count"] == 1
+    assert stats["modules"]["1"]["own_forward"] is True
+    assert "forward" not in net[1].__dict__
     assert "graphed.check found a host read, `aten::item`" in fallback["reason"]
     assert "test_auto_validation.py" in fallback["reason"]
+    calls = stats["calls"]
+    with torch.no_grad():
+        model(x)
+    assert model.stats()["calls"] == calls  # no graphed code on its path any more
+
+
+def test_a_module_the_user_gave_a_forward_of_its_own_gets_that_one_back():
+    net = nn.Sequential(nn.Linear(8, 8), ItemBlock())
+    block = net[1]
+    seen = []
+
+    def instance_forward(x):
+        seen.append(x.shape[0])
+        return type(block).forward(block, x)
+
+    block.forward = instance_forward
+    model = graphed.auto(net, modules=["1"], warmup=1)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 8))
+    assert block.forward is instance_forward
+    assert seen == [2, 2, 2]
 
 
 def test_fallback_raise_raises_with_the_reason():

@@ -33,6 +33,7 @@ def test_demo_without_gpu_explains_and_exits_0():
 
 
 @pytest.mark.gpu
+@pytest.mark.exclusive
 def test_demo_on_gpu():
     result = run_graphed("demo")
     assert result.returncode == 0, result.stdout + result.stderr

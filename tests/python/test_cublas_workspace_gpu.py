@@ -114,3 +114,38 @@ def test_train_step_survives_freed_cublas_workspaces(how):
     assert overwritten(guards) == 0
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-3)
+
+
+def settle():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own, not graphed's
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.usefixtures("tf32")
+def test_the_last_graph_gone_gives_the_shared_workspace_back():
+    """graphed's shared workspace lives while a graph that writes into it does:
+    a graph left alone still replays into it untouched, and once the last one
+    is gone every byte graphed took is back (issue 29)."""
+    model, x = workloads.mlp_inference()
+    with torch.no_grad():
+        model(x)
+    settle()
+    baseline = torch.cuda.memory_reserved()
+    with torch.no_grad():
+        first = graphed.capture(model, x)
+        second = graphed.capture(model, x)
+    del first
+    settle()
+    guards = sentinels()
+    with torch.no_grad():
+        for _ in range(3):
+            sample = torch.randn_like(x)
+            torch.testing.assert_close(second(sample).clone(), model(sample), rtol=2e-3,
+                                       atol=2e-3)
+    assert overwritten(guards) == 0
+    del guards, second
+    settle()
+    assert torch.cuda.memory_reserved() <= baseline + (2 << 20), (
+        torch.cuda.memory_reserved(), baseline)

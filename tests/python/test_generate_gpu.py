@@ -51,6 +51,7 @@ def test_one_decoder_serves_batches_and_prompt_lengths():
     assert torch.equal(got[:, :7 + 4], want[:, :7 + 4])
 
 
+@pytest.mark.exclusive
 def test_capturing_every_bucket_is_fast_and_reports_memory():
     model = tiny_model("llama", "cuda")
     started = time.perf_counter()

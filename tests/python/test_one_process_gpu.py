@@ -34,9 +34,27 @@ def inputs(count, seed):
 
 
 def settle():
+    """Frees what the process no longer uses, PyTorch's cuBLAS workspaces
+    included: PyTorch keeps one per (handle, stream) until they are cleared
+    (64 MiB on the H200 for the default stream's two handles, the main thread's
+    and autograd's), and they are not graphed's. What remains after this is
+    graphed's, or leaked."""
     gc.collect()
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
+
+
+def segments():
+    """Reserved memory per (stream, pool), for the failure message."""
+    held = {}
+    for segment in torch.cuda.memory_snapshot():
+        key = f"stream {segment.get('stream')} pool {segment.get('segment_pool_id')}"
+        active = sum(b["size"] for b in segment["blocks"] if b["state"] == "active_allocated")
+        total, used = held.get(key, (0, 0))
+        held[key] = (total + segment["total_size"], used + active)
+    return {key: f"{total / 2**20:.1f} MiB ({used / 2**20:.1f} MiB active)"
+            for key, (total, used) in held.items()}
 
 
 def run_capture(seed):
@@ -129,7 +147,9 @@ def test_every_graph_api_one_after_another_in_one_process():
     finally:
         torch._dynamo.reset()
     settle()
-    # Each stage's graphs went with its objects (compile's with the reset): nothing
-    # piles up beyond per-stream workspaces and allocator rounding.
-    assert torch.cuda.memory_reserved() <= baseline + (64 << 20), (
-        torch.cuda.memory_reserved(), baseline)
+    # Each stage's graphs went with its objects (compile's with the reset), and
+    # so did graphed's shared cuBLAS workspace with the last graph that wrote
+    # into it (Note [cuBLAS workspaces of captured graphs]): nothing piles up
+    # beyond allocator rounding.
+    assert torch.cuda.memory_reserved() <= baseline + (8 << 20), (
+        torch.cuda.memory_reserved(), baseline, segments())

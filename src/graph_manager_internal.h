@@ -1,0 +1,73 @@
+#pragma once
+
+// Private to libgraphed: GraphManager's per-module and per-graph records,
+// shared by its rooms (graph_manager.cpp: calls, capture and stats;
+// graph_manager_training.cpp: the training graphs captured together).
+
+#include "graphed/auto_buckets.h"
+#include "graphed/graph_manager.h"
+#include "graphed/tensor_identity.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace graphed {
+
+struct GraphManager::Slot {
+  uint64_t id = 0;
+  CallKey key;
+  CallMode mode = CallMode::kInference;
+  BucketPlan plan;  // at bucket sizes
+  std::unique_ptr<GraphEntry> entry;
+  // Set instead of `entry` when these inputs cannot be captured (not the
+  // module: e.g. CPU tensors); calls with this key fall back at once.
+  std::string failure;
+  int64_t replays = 0;
+};
+
+struct GraphManager::Module {
+  explicit Module(int64_t pick_buckets_after) : auto_buckets(pick_buckets_after) {}
+
+  ModuleSpec spec;
+  size_t index = 0;
+  int64_t calls = 0;
+  int64_t warmup_calls = 0;
+  int64_t replays = 0;
+  bool seen = false;
+  // Set once the module falls back for good (a blocker or a capture error).
+  std::optional<std::string> blocked;
+  std::vector<std::unique_ptr<Slot>> slots;  // most recently used first
+  std::string description;
+  // The subject of its NVTX warm-up ranges, "layers.0 (Block)".
+  std::string nvtx_subject;
+  // The inputs of its last warm-up call in training mode, until a training
+  // group is planned (Note [Training graphs captured together]).
+  std::optional<std::vector<c10::IValue>> training_sample;
+  // Findings of the warm-up check that a capture decides (CaptureVerdict::
+  // kTryCapture): false findings once a graph of the module replays.
+  std::vector<std::string> unconfirmed_findings;
+  // Its parameters and buffers at the end of warm-up, which its graphs read
+  // (Note [Modules whose tensors moved]).
+  TensorIdentities tensors;
+  // Whether its graphs of every bucket were captured ahead (Note [Bucket
+  // padding]: not from a call whose broadcast tensors cannot be told).
+  bool captured_ahead = false;
+  // Note [Buckets graphed picks itself]: the sizes its inference calls came
+  // at, the buckets picked from them, whether the first padded call agreed
+  // with eager, and whether picking was refused for good.
+  AutoBuckets auto_buckets;
+  std::optional<BucketPolicy> picked_buckets;
+  bool picked_checked = false;
+  bool picking_refused = false;
+  // The last call that could not be bucketed and its reason, so that calls
+  // repeating it build no message (Note [A fallback costs nothing]).
+  std::optional<BucketMiss> last_miss;
+  std::string last_miss_reason;
+  // Where its last fallback reason is counted in GraphManagerStats::fallbacks.
+  std::optional<size_t> last_fallback;
+};
+
+}  // namespace graphed
