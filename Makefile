@@ -16,28 +16,38 @@ BUILD_DIR := build/py
 PIP_BUILD := $(PIP) install --no-build-isolation --no-deps -C build-dir=$(BUILD_DIR)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test deps install test-cpp test-python clean
+.PHONY: demo test deps deps-build deps-test install install-demo test-cpp test-python clean
 
-demo: install
+# `make demo` needs only torch and the build tools, and builds no tests; the
+# model libraries, the frameworks and GoogleTest come with `make test`.
+demo: install-demo
 	$(PYTHON) -m graphed demo
 
 test: install
 	$(MAKE) --no-print-directory test-cpp test-python
 
-deps:
+deps-build:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
-	@$(PYTHON) -c "import scikit_build_core, pytest, numpy" 2>/dev/null || \
-		$(PIP) install "scikit-build-core>=0.10" pytest numpy
+	@$(PYTHON) -c "import scikit_build_core" 2>/dev/null || $(PIP) install "scikit-build-core>=0.10"
+	@command -v cmake >/dev/null && command -v ninja >/dev/null || $(PIP) install cmake ninja
+
+deps-test: deps-build
+	@$(PYTHON) -c "import pytest, numpy, hypothesis" 2>/dev/null || \
+		$(PIP) install pytest numpy hypothesis
 	@$(PYTHON) -c "import transformers, timm, torchvision" 2>/dev/null || \
 		$(PIP) install $(MODEL_LIBRARIES)
 	@$(PYTHON) -c "import lightning, accelerate" 2>/dev/null || \
 		$(PIP) install $(FRAMEWORKS) "$$($(PYTHON) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
-	@command -v cmake >/dev/null && command -v ninja >/dev/null || $(PIP) install cmake ninja
 	@[ -f /usr/src/googletest/CMakeLists.txt ] || [ -n "$$GRAPHED_GTEST_SOURCE_DIR" ] || \
 		$(SUDO) apt-get install -y -q libgtest-dev >/dev/null || \
 		echo "graphed: GoogleTest not installed (apt-get install libgtest-dev); C++ tests will be skipped."
 
-install: deps
+deps: deps-test
+
+install-demo: deps-build
+	$(PIP_BUILD) -C cmake.define.GRAPHED_BUILD_TESTS=OFF .
+
+install: deps-test
 	$(PIP_BUILD) -C cmake.define.GRAPHED_BUILD_TESTS=ON \
 		$(if $(GRAPHED_GTEST_SOURCE_DIR),-C cmake.define.GRAPHED_GTEST_SOURCE_DIR=$(GRAPHED_GTEST_SOURCE_DIR)) .
 

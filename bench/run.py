@@ -55,6 +55,11 @@ WORKLOADS["soak"] = soak.run
 import gpt_fp8  # noqa: E402
 
 WORKLOADS["gpt_fp8"] = gpt_fp8.run
+
+# graphed.auto never costs more than eager (issue 29)
+import auto_overhead  # noqa: E402
+
+WORKLOADS["auto_overhead"] = auto_overhead.run
 # Run only when named: soak measures safety, not speed (a minute or more);
 # gpt_fp8 trains a 400M-parameter model for minutes.
 OPT_IN = {"soak", "gpt_fp8"}
@@ -86,6 +91,9 @@ def markdown(results) -> str:
             continue
         if name == "gpt_fp8":
             lines.extend(gpt_fp8.markdown(workload))
+            continue
+        if name == "auto_overhead":
+            lines.extend(auto_overhead.markdown(workload))
             continue
         if isinstance(workload.get("kernel_floor_ms"), dict):  # hf_decode: per batch
             lines.extend(hf_decode_report.markdown(workload))

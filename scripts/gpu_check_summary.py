@@ -2,7 +2,8 @@
 output folder: test counts from the JUnit files of ctest and pytest, the
 benchmark rows, the soak workload (in the benchmark file or soak.json) and the
 compute-sanitizer runs (sanitize.json): ``gpu_check_summary.py OUT [--bench
-h200.json]``."""
+h200.json] [--logs LOGS]`` (LOGS: where gpu-check wrote its JUnit files and
+the tier's wall time; OUT by default)."""
 
 import json
 import os
@@ -62,19 +63,22 @@ def sanitize_rows(out):
         print(f"| {tool['tool']} | {'; '.join(tool['tests'])} | {errors} |")
 
 
-def main(out, bench_name="h200.json"):
+def main(out, bench_name="h200.json", logs=None):
+    """The summary of gpu-check's output folder; JUnit files and the tier's
+    wall time are read from ``logs`` (gpu-check's log folder) when given."""
+    logs = logs or out
     print("\n## gpu-check summary\n")
     print("| tests | passed | failed | skipped |")
     print("|---|---:|---:|---:|")
-    for name, files in (("C++ (ctest)", ("ctest.xml",)),
+    for name, files in (("C++ (ctest)", ("ctest.xml", "ctest-exclusive.xml")),
                         ("Python (pytest)", ("pytest.xml", "pytest-exclusive.xml"))):
-        found = [c for c in (junit_counts(os.path.join(out, f)) for f in files) if c is not None]
+        found = [c for c in (junit_counts(os.path.join(logs, f)) for f in files) if c is not None]
         if not found:
             print(f"| {name} | not run | | |")
         else:
             passed, failed, skipped = (sum(c[i] for c in found) for i in range(3))
             print(f"| {name} | {passed} | {failed} | {skipped} |")
-    wall = os.path.join(out, "tests_wall.txt")
+    wall = os.path.join(logs, "tests_wall.txt")
     if os.path.exists(wall):
         with open(wall) as file:
             print(f"\nGPU tier wall time: {file.read().strip()} s (build excluded)")
@@ -103,6 +107,9 @@ def main(out, bench_name="h200.json"):
             continue
         if "models" in data:
             print(f"| {workload} | see the zoo tables | | | | | |")
+            continue
+        if workload == "auto_overhead":
+            print(f"| {workload} | see its table | | | | | |")
             continue
         if "host_us" in data:
             for case, us in data["host_us"].items():
@@ -133,6 +140,9 @@ def main(out, bench_name="h200.json"):
         if isinstance(data.get("kernel_floor_ms"), dict):
             print()
             print(_hf_decode_markdown(data))
+        if "all_blocked_ratio" in data:
+            print()
+            print(_auto_overhead_markdown(data))
     if results.get("advice"):
         print("\n| advice | predicted ms | measured ms | error |")
         print("|---|---:|---:|---:|")
@@ -151,6 +161,13 @@ def _hf_decode_markdown(data):
     return "\n".join(hf_decode_report.markdown(data))
 
 
+def _auto_overhead_markdown(data):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import auto_overhead
+
+    return "\n".join(auto_overhead.markdown(data))
+
+
 def _zoo_markdown(data):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     import zoo_report  # bench/zoo.py's tables, without importing graphed
@@ -160,9 +177,10 @@ def _zoo_markdown(data):
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
-    bench_name = "h200.json"
-    if "--bench" in arguments:
-        at = arguments.index("--bench")
-        bench_name = arguments[at + 1]
-        del arguments[at:at + 2]
-    main(arguments[0] if arguments else "build/gpu-check", bench_name)
+    options = {"--bench": "h200.json", "--logs": None}
+    for flag in options:
+        if flag in arguments:
+            at = arguments.index(flag)
+            options[flag] = arguments[at + 1]
+            del arguments[at:at + 2]
+    main(arguments[0] if arguments else "build/gpu-check", options["--bench"], options["--logs"])

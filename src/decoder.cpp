@@ -79,8 +79,9 @@ namespace {
 //   else the logits' width once known) before they are copied in: one read
 //   of their minimum and maximum per request.
 // - pad_token_id is fed to the model for finished rows, so it must be in
-//   the vocabulary whenever a row can finish; rows padding a batch up to its
-//   bucket get it only when it is, else token 0 (their results are dropped).
+//   the vocabulary whenever a request's row can finish; rows padding a batch
+//   up to its bucket (which start finished) get it only when it is, else
+//   token 0, as input and as what they emit (their results are dropped).
 // - End-of-sequence ids are compared, never indexed: the suppression of
 //   min_new_tokens marks them by membership (suppress_eos_until), so an id
 //   outside the vocabulary never ends a row and is never suppressed, as in
@@ -301,7 +302,12 @@ void Decoder::select(const at::Tensor& logits, DecodeState& state) {
     suppress_eos_until(state_, eos_, logits.size(-1), threshold_min_new_);
   }
   state.eos_threshold = state_.eos_threshold;
-  (void)select_next_tokens(logits, state, options_.sampling, eos_, options_.pad_token_id);
+  // Finished rows emit the pad token, or token 0 when it lies outside the
+  // vocabulary: then only rows padding the batch ever finish (no eos id can
+  // end a real one, check_token_ids_fit), and the model reads what they emit.
+  const std::optional<int64_t> pad =
+      options_.pad_token_id ? std::optional<int64_t>(filler_token_) : std::nullopt;
+  (void)select_next_tokens(logits, state, options_.sampling, eos_, pad);
 }
 
 void Decoder::decode_step(const DecodeInputs& inputs, DecodeState& state) {

@@ -71,6 +71,7 @@ std::unique_ptr<Decoder> make_decoder(py::object step, py::object prefill, py::o
   options.error_mode = parse_capture_error_mode(capture_error_mode);
   options.reset_cache = wrap_procedure(std::move(reset));
   const c10::Device where = reinterpret_cast<THPDevice*>(device.ptr())->device;
+  const WarningsToPython warnings;  // an eos id outside the vocabulary warns
   return std::make_unique<Decoder>(wrap_decode_step(std::move(step)),
                                    wrap_prefill(std::move(prefill)), std::move(options), where);
 }

@@ -372,7 +372,22 @@ TEST(DecoderLoop, TokenIdsOutsideTheVocabularyAreRefusedOrNeverEndARow) {
   // bucket read token 0.
   options.eos_token_ids = {50256};
   options.pad_token_id = 50256;
-  Decoder decoder = toy_decoder(model, options, at::kCPU);
+  options.reset_cache = [&model] { model.length.zero_(); };
+  // Every id the model is handed must be in its vocabulary (the padding row
+  // too, which starts finished and emits what finished rows emit).
+  const auto in_vocab = [](const at::Tensor& ids) {
+    EXPECT_TRUE(ids.ge(0).logical_and(ids.lt(kVocab)).all().item<bool>()) << ids;
+  };
+  Decoder decoder(
+      [&](const DecodeInputs& in) {
+        in_vocab(in.input_ids);
+        return model.step(in);
+      },
+      [&](const at::Tensor& ids, const at::Tensor& mask, const at::Tensor& pos) {
+        in_vocab(ids);
+        return model.prefill(ids, mask, pos);
+      },
+      options, at::kCPU);
   const at::Tensor ids = at::tensor({1, 3, 4}, at::kLong).view({3, 1});
   const graphed::DecodeResult result = decoder.generate(ids, at::Tensor(), 6, /*min_new_tokens=*/2);
   EXPECT_EQ(result.steps, 6);

@@ -367,3 +367,103 @@ def test_a_block_called_twice_per_step_replays_once_and_runs_eagerly_once():
     assert "called out of its graphs' recorded order" in fallback["reason"], fallback
     assert stats["modules"]["blocks.0"]["replays"] == 4  # steps 3 to 6
     assert stats["modules"]["blocks.1"]["replays"] == fallback["count"] == 5
+
+
+def _hf_entry(name):
+    import os
+    import sys
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    import zoo_models
+
+    return zoo_models.build(name, "test")
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_bert"])
+def test_transformers_layers_bucket_with_their_broadcast_inputs(name):
+    """transformers hands every layer position ids, rotary tables or masks of
+    batch size 1: they pass unpadded (Note [Bucket padding]), so every layer
+    replays a bucket's graph at every batch size and matches eager."""
+    entry = _hf_entry(name)
+    reference = copy.deepcopy(entry.model).eval()
+    managed = graphed.auto(copy.deepcopy(entry.model).eval(), buckets={0: [1, 2, 4, 8]})
+    sizes = (1, 3, 8, 5, 2, 7, 4, 6)
+    with torch.no_grad():
+        for _ in range(2):
+            for batch in sizes:
+                args, kwargs = entry.inference_inputs(batch)
+                torch.testing.assert_close(_logits(managed(*args, **kwargs)),
+                                           _logits(reference(*args, **kwargs)),
+                                           rtol=1e-4, atol=1e-4)
+    stats = managed.stats()
+    assert stats["fallbacks"] == [], stats["fallbacks"]
+    layers = len(stats["modules"])
+    assert stats["graphs"] == 4 * layers  # one per bucket and layer, nothing twice
+    assert all(m["replays"] > 0 for m in stats["modules"].values())
+
+
+def test_auto_picks_buckets_when_batch_sizes_vary_and_memory_stays_bounded():
+    """Note [Buckets graphed picks itself]: the default (buckets="auto") keeps
+    about log2(64) graphs per layer over 64 batch sizes, not 64, and says so."""
+    reference = small_decoder()
+    managed = graphed.auto(workloads.decode_copy(reference), warmup=2)
+    with torch.no_grad():
+        for batch in BATCHES:
+            x = torch.randn(batch, 128, device="cuda")
+            torch.testing.assert_close(managed(x), reference(x), rtol=1e-3, atol=1e-3)
+    stats = managed.stats()
+    assert stats["fallbacks"] == []
+    assert stats["graphs"] <= 3 * 7, stats["graphs"]
+    assert any("pads them to power-of-two sizes along dimension 0" in n for n in stats["notes"])
+    unbounded = graphed.auto(workloads.decode_copy(reference), warmup=2, buckets=None)
+    with torch.no_grad():
+        for batch in BATCHES:
+            unbounded(torch.randn(batch, 128, device="cuda"))
+    assert unbounded.stats()["graphs"] == 3 * (len(BATCHES) - 2)
+
+
+class BatchNormalized(nn.Module):
+    """Rows along dimension 0 depend on each other: padding would change them."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.mean(0, keepdim=True)
+
+
+def test_picked_buckets_that_change_results_are_refused():
+    torch.manual_seed(0)
+    reference = Stack([BatchNormalized(64), BatchNormalized(64)]).cuda().eval()
+    managed = graphed.auto(copy.deepcopy(reference), warmup=1)
+    with torch.no_grad():
+        for batch in (3, 3, 5, 6, 7, 9, 11, 7, 9):
+            x = torch.randn(batch, 64, device="cuda")
+            torch.testing.assert_close(managed(x), reference(x), rtol=1e-5, atol=1e-5)
+    notes = managed.stats()["notes"]
+    assert sum("did not match eager" in n for n in notes) == 2, notes
+
+
+def test_a_block_that_can_never_be_graphed_gets_its_own_forward_back():
+    """Note [A fallback costs nothing]: after the call that finds it blocked,
+    none of its calls runs graphed code."""
+    torch.manual_seed(0)
+    reference = Stack([PlainBlock(64), ItemBlock(64), PlainBlock(64)]).cuda()
+    managed = graphed.auto(copy.deepcopy(reference), modules=["blocks.0", "blocks.1", "blocks.2"],
+                           warmup=2)
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(managed(x), reference(x), rtol=1e-5, atol=1e-5)
+    stats = managed.stats()
+    assert stats["modules"]["blocks.1"].get("own_forward") is True
+    assert "forward" not in managed.blocks[1].__dict__
+    assert stats["modules"]["blocks.1"]["calls"] == 3  # two warm-ups, the call that found it
+    assert stats["modules"]["blocks.0"]["replays"] == 4
