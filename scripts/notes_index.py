@@ -35,7 +35,9 @@ def source_files():
             for name in sorted(files):
                 path = os.path.join(directory, name)
                 rel = os.path.relpath(path, ROOT)
-                if name.endswith(EXTENSIONS) and rel not in SKIP:
+                # Shell scripts (scripts/gpu-check) have no extension.
+                script = rel.startswith("scripts" + os.sep) and "." not in name
+                if (name.endswith(EXTENSIONS) or script) and rel not in SKIP:
                     yield rel
 
 

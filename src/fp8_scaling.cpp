@@ -33,6 +33,10 @@ at::Tensor scale_from_amax(const at::Tensor& amax, const at::Tensor& previous,
 }
 
 at::Tensor amax_of(const at::Tensor& x) {
+  if (x.numel() == 0) {
+    // Nothing read: an amax of 0, as the fused kernels leave it.
+    return at::zeros({}, x.options().dtype(at::kFloat));
+  }
   return x.abs().amax().to(at::kFloat);
 }
 

@@ -307,6 +307,18 @@ void GraphManager::evict(uint64_t id) {
     }
   }
   slots_by_id_.erase(found);
+  // The shared pool goes with the last inference graph: the allocator counts
+  // the graphs that use a pool, and once that count is zero the pool may be
+  // freed at the next empty_cache(), so capturing into it again is an error
+  // (torch 2.11 asserts). The next capture takes a new pool.
+  const bool any_inference = std::any_of(modules_.begin(), modules_.end(), [](const auto& m) {
+    return std::any_of(m->slots.begin(), m->slots.end(), [](const auto& slot) {
+      return slot->entry != nullptr && slot->mode == CallMode::kInference;
+    });
+  });
+  if (!any_inference) {
+    pool_.reset();
+  }
 }
 
 void GraphManager::enforce_budget(const Slot& keep) {

@@ -218,12 +218,14 @@ def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module, 
     at all (Note [A fallback costs nothing] in src/graph_manager.cpp)."""
     previous = module.__dict__.get("forward")  # an instance forward of the user's, if any
     own = previous if previous is not None else type(module).forward.__get__(module)
-    run_eager = _C.RUN_EAGER
+    run_eager, run_own_forward = _C.RUN_EAGER, _C.RUN_OWN_FORWARD
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         out = manager.call(index, args, kwargs, module.training)
         if out is run_eager:
-            if manager.blocked(index) and module.__dict__.get("forward") is forward:
+            return own(*args, **kwargs)
+        if out is run_own_forward:
+            if module.__dict__.get("forward") is forward:
                 if previous is None:
                     del module.forward
                 else:

@@ -141,7 +141,9 @@ void register_auto(py::module_& m) {
 
   // What GraphManager.call returns for a call the caller must run itself.
   auto run_eager = share_object(py::module_::import("builtins").attr("object")());
+  auto run_own_forward = share_object(py::module_::import("builtins").attr("object")());
   m.attr("RUN_EAGER") = *run_eager;
+  m.attr("RUN_OWN_FORWARD") = *run_own_forward;
   py::class_<GraphManager>(m, "GraphManager",
                            "Automatic per-module capture (graphed.auto's core).")
       .def(py::init(&make_manager), py::arg("warmup"), py::arg("buckets"),
@@ -171,7 +173,7 @@ void register_auto(py::module_& m) {
           py::arg("buffer_dicts") = py::none())
       .def(
           "call",
-          [run_eager](GraphManager& self, size_t index, const py::tuple& args,
+          [run_eager, run_own_forward](GraphManager& self, size_t index, const py::tuple& args,
                       const py::dict& kwargs, bool training) -> py::object {
             const std::vector<c10::IValue> inputs{to_ivalue(args), to_ivalue(kwargs),
                                                   c10::IValue(training)};
@@ -181,12 +183,15 @@ void register_auto(py::module_& m) {
               py::gil_scoped_release no_gil;
               outputs = self.try_call(index, inputs);
             }
-            // Note [A fallback costs nothing]: the caller runs the forward.
-            return outputs ? to_python(*outputs) : *run_eager;
+            // Note [A fallback costs nothing]: the caller runs the forward
+            // (and, once the module is blocked, puts it back in place).
+            if (outputs) return to_python(*outputs);
+            return self.blocked(index) ? *run_own_forward : *run_eager;
           },
           py::arg("index"), py::arg("args"), py::arg("kwargs"), py::arg("training"),
           "Runs module `index`; returns graphed._C.RUN_EAGER when the call falls back "
-          "(counted): the caller then runs the module's own forward.")
+          "(counted): the caller then runs the module's own forward; RUN_OWN_FORWARD when "
+          "the module can never use a graph: the caller also puts its own forward back.")
       .def("blocked", &GraphManager::blocked, py::arg("index"),
            "True once the module falls back for good: its calls can go straight to its own "
            "forward.")
