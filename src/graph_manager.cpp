@@ -526,11 +526,48 @@ bool GraphManager::pick_buckets_for(Module& module, const std::vector<c10::IValu
 }
 
 std::optional<c10::IValue> GraphManager::check_picked_buckets(
-    Module& module, const std::vector<c10::IValue>& inputs, const c10::IValue& replayed) {
-  // Note [Buckets graphed picks itself]: the first padded replay against eager.
+    Module& module, const std::vector<c10::IValue>& inputs, const c10::IValue& replayed,
+    GraphEntry& entry, const BucketPlan& plan) {
+  // Note [Buckets graphed picks itself]: the first padded replay against
+  // eager, then a second replay whose padding rows repeat the call's rows
+  // (zeros alone can leave a reduction over the rows unchanged).
   module.picked_checked = true;
   const c10::IValue eager = run_eager(module, inputs);
-  const OutputAgreement agreement = compare_outputs(replayed, eager);
+  OutputAgreement agreement = compare_outputs(replayed, eager);
+  if (agreement.agrees) {
+    std::vector<c10::IValue> repeated;
+    {
+      c10::NoGradGuard no_grad;
+      for (const c10::IValue& input : inputs) {
+        repeated.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
+          at::Tensor out = tensor;
+          for (const BucketedDim& d : plan.dims()) {
+            if (d.dim < out.dim() && out.size(d.dim) == d.size && d.padded > d.size) {
+              const at::Tensor rows = at::arange(d.padded, out.options().dtype(at::kLong))
+                                          .remainder_(d.size);
+              out = out.index_select(d.dim, rows);
+            }
+          }
+          return out;
+        }));
+      }
+    }
+    ++depth_;
+    c10::IValue again;
+    try {
+      again = slice_to_call(entry.run(repeated, plan.at_buckets()), plan);
+      --depth_;
+    } catch (...) {
+      --depth_;
+      throw;
+    }
+    const OutputAgreement second = compare_outputs(again, eager);
+    agreement.max_relative_diff = std::max(agreement.max_relative_diff, second.max_relative_diff);
+    if (!second.agrees) {
+      agreement.agrees = false;
+      agreement.disagreement = second.disagreement + ", padding rows repeating the call's";
+    }
+  }
   if (agreement.agrees) {
     counters_.notes.push_back(c10::str(
         shown(module.spec.name), ": inference calls came at ", options_.pick_buckets_after,
@@ -686,7 +723,8 @@ std::optional<c10::IValue> GraphManager::call_locked(Module& module,
   ++module.replays;
   ++slot->replays;
   if (module.picked_buckets && !module.picked_checked && plan.pads()) {
-    if (std::optional<c10::IValue> eager = check_picked_buckets(module, inputs, out)) {
+    if (std::optional<c10::IValue> eager =
+            check_picked_buckets(module, inputs, out, *slot->entry, plan)) {
       return eager;
     }
   }

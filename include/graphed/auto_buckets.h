@@ -35,7 +35,10 @@ namespace graphed {
 /// Padding is exact only when rows along dimension 0 do not influence each
 /// other (a batch), which graphed cannot see from the module. So the first
 /// call that is actually padded also runs eagerly, and its outputs are
-/// compared (every output tensor, relative to its largest magnitude: at most
+/// compared twice: as replayed, and replayed again with the padding rows
+/// repeating the call's rows (zero rows alone leave some reductions over the
+/// rows unchanged, e.g. a mean of inputs whose mean is zero). Every output
+/// tensor is compared relative to its largest magnitude: at most
 /// 1e-3 for 32- and 64-bit floats, 2e-2 for 16-bit ones, equal for others).
 /// When they disagree (dimension 0 is not a batch: a sequence, a reduced
 /// dimension) the module goes back to one graph per size for good, that

@@ -230,7 +230,8 @@ class GraphManager {
   bool pick_buckets_for(Module& module, const std::vector<c10::IValue>& inputs);
   std::optional<c10::IValue> check_picked_buckets(Module& module,
                                                   const std::vector<c10::IValue>& inputs,
-                                                  const c10::IValue& replayed);
+                                                  const c10::IValue& replayed, GraphEntry& entry,
+                                                  const BucketPlan& plan);
   void evict_inference_slots(Module& module);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
   void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,

@@ -343,6 +343,33 @@ TEST_F(ManagerFixture, PickedBucketsThatChangeTheResultAreDropped) {
   EXPECT_EQ(stats.graphs, 2);  // 7 (after the refusal) and 9
 }
 
+TEST_F(ManagerFixture, ZeroPaddingThatHidesDependentRowsIsCaughtByRepeatedRows) {
+  // The picking call's rows have mean 0, so zero padding leaves x - mean(x)
+  // unchanged; padding rows that repeat the call's rows do not.
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.pick_buckets = true;
+  GraphManager manager = make(options);
+  ModuleSpec spec;
+  spec.name = "centering";
+  spec.type = "Centering";
+  spec.forward = [](const std::vector<IValue>& inputs) -> IValue {
+    const at::Tensor x = inputs.at(0).toTupleRef().elements().at(0).toTensor();
+    return x - x.mean(0, /*keepdim=*/true);
+  };
+  const size_t m = manager.add_module(std::move(spec));
+  for (int64_t batch : {2, 2, 3, 4}) {
+    (void)manager.call(m, call_inputs(at::rand({batch, 2})));
+  }
+  const at::Tensor half = at::rand({3, 2}) + 1;
+  const at::Tensor x = at::cat({half, -half});  // 6 rows of mean 0: picks bucket 8
+  EXPECT_TRUE(at::allclose(manager.call(m, call_inputs(x)).toTensor(), x, 1e-5, 1e-6));
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.notes.size(), 1u);
+  EXPECT_NE(stats.notes[0].find("padding rows repeating the call's"), std::string::npos)
+      << stats.notes[0];
+}
+
 TEST_F(ManagerFixture, TryCallLeavesFallbacksToTheCallerAndSaysWhenBlocked) {
   // Note [A fallback costs nothing].
   GraphManagerOptions options;
