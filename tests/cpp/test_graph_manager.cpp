@@ -313,13 +313,9 @@ TEST_F(ManagerFixture, PicksBucketsAfterFourBatchSizesAndChecksThemAgainstEager)
   EXPECT_TRUE(stats.fallbacks.empty());
 }
 
-TEST_F(ManagerFixture, PickedBucketsThatChangeTheResultAreDropped) {
-  // Rows that influence each other (x minus its mean over dimension 0):
-  // padding changes every row, and the module keeps one graph per size.
-  GraphManagerOptions options;
-  options.warmup = 1;
-  options.pick_buckets = true;
-  GraphManager manager = make(options);
+// x minus its mean over dimension 0: rows that influence each other, which
+// padding along dimension 0 changes.
+ModuleSpec centering_module() {
   ModuleSpec spec;
   spec.name = "centering";
   spec.type = "Centering";
@@ -327,7 +323,17 @@ TEST_F(ManagerFixture, PickedBucketsThatChangeTheResultAreDropped) {
     const at::Tensor x = inputs.at(0).toTupleRef().elements().at(0).toTensor();
     return x - x.mean(0, /*keepdim=*/true);
   };
-  const size_t m = manager.add_module(std::move(spec));
+  return spec;
+}
+
+TEST_F(ManagerFixture, PickedBucketsThatChangeTheResultAreDropped) {
+  // Rows that influence each other (x minus its mean over dimension 0):
+  // padding changes every row, and the module keeps one graph per size.
+  GraphManagerOptions options;
+  options.warmup = 1;
+  options.pick_buckets = true;
+  GraphManager manager = make(options);
+  const size_t m = manager.add_module(centering_module());
   for (int64_t batch : {3, 3, 5, 6, 7, 9, 7}) {
     const at::Tensor x = at::rand({batch, 2}) + 1;
     EXPECT_TRUE(at::allclose(manager.call(m, call_inputs(x)).toTensor(),
@@ -350,14 +356,7 @@ TEST_F(ManagerFixture, ZeroPaddingThatHidesDependentRowsIsCaughtByRepeatedRows) 
   options.warmup = 1;
   options.pick_buckets = true;
   GraphManager manager = make(options);
-  ModuleSpec spec;
-  spec.name = "centering";
-  spec.type = "Centering";
-  spec.forward = [](const std::vector<IValue>& inputs) -> IValue {
-    const at::Tensor x = inputs.at(0).toTupleRef().elements().at(0).toTensor();
-    return x - x.mean(0, /*keepdim=*/true);
-  };
-  const size_t m = manager.add_module(std::move(spec));
+  const size_t m = manager.add_module(centering_module());
   for (int64_t batch : {2, 2, 3, 4}) {
     (void)manager.call(m, call_inputs(at::rand({batch, 2})));
   }
