@@ -2,6 +2,7 @@
 
 // Private to libgraphed: GraphManager's per-module and per-graph records,
 // shared by its rooms (graph_manager.cpp: calls, capture and stats;
+// graph_manager_buckets.cpp: buckets picked for a module and their check;
 // graph_manager_training.cpp: the training graphs captured together).
 
 #include "graphed/auto_buckets.h"
