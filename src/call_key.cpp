@@ -121,22 +121,25 @@ CallKey key_of(const std::vector<c10::IValue>& inputs, const BucketPlan& plan, C
   return key;
 }
 
-std::optional<BucketPlan> plan_call_buckets(const BucketPolicy& buckets,
-                                            const std::vector<c10::IValue>& inputs,
-                                            std::vector<at::Tensor>& tensors, std::string* why,
-                                            BucketMiss* miss) {
-  const size_t before = tensors.size();
+void collect_input_tensors(const std::vector<c10::IValue>& inputs,
+                           std::vector<at::Tensor>& tensors) {
   for (const c10::IValue& input : inputs) {
     for_each_tensor(input, [&](const at::Tensor& tensor) {
       if (tensor.defined()) tensors.push_back(tensor);
     });
   }
+}
+
+std::optional<BucketPlan> plan_collected_buckets(const BucketPolicy& buckets,
+                                                 const std::vector<c10::IValue>& inputs,
+                                                 const std::vector<at::Tensor>& tensors,
+                                                 std::string* why, BucketMiss* miss) {
   if (buckets.empty()) {
     return BucketPlan();
   }
   std::vector<c10::IntArrayRef> sizes;
-  sizes.reserve(tensors.size() - before);
-  for (size_t i = before; i < tensors.size(); ++i) sizes.push_back(tensors[i].sizes());
+  sizes.reserve(tensors.size());
+  for (const at::Tensor& tensor : tensors) sizes.push_back(tensor.sizes());
   BucketMiss found;
   std::optional<BucketPlan> planned = buckets.plan_sizes(sizes, &found);
   if (!planned) {
@@ -149,6 +152,17 @@ std::optional<BucketPlan> plan_call_buckets(const BucketPolicy& buckets,
           found.kind == BucketMiss::Kind::kDisagree ? input_path(inputs, found.other) : "");
     }
   }
+  return planned;
+}
+
+std::optional<BucketPlan> plan_call_buckets(const BucketPolicy& buckets,
+                                            const std::vector<c10::IValue>& inputs,
+                                            std::vector<at::Tensor>& tensors, std::string* why,
+                                            BucketMiss* miss) {
+  std::vector<at::Tensor> collected;
+  collect_input_tensors(inputs, collected);
+  std::optional<BucketPlan> planned = plan_collected_buckets(buckets, inputs, collected, why, miss);
+  tensors.insert(tensors.end(), collected.begin(), collected.end());
   return planned;
 }
 

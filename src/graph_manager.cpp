@@ -55,7 +55,6 @@ FallbackPolicy parse_fallback_policy(std::string_view name) {
                 "and count it in stats()) or \"raise\", got \"", name, "\".");
 }
 
-
 namespace {
 
 // Parameters then buffers, as ModuleSpec's readers see them now.
@@ -78,7 +77,6 @@ std::vector<at::Tensor> distinct(std::vector<at::Tensor> tensors) {
 }
 
 }  // namespace
-
 
 GraphManager::GraphManager(GraphManagerOptions options, GraphEntryFactories factories)
     : options_(std::move(options)), factories_(std::move(factories)),
@@ -490,16 +488,15 @@ bool GraphManager::blocked(size_t index) const {
 
 std::optional<BucketPlan> GraphManager::plan_call(Module& module, const BucketPolicy& policy,
                                                   const std::vector<c10::IValue>& inputs,
-                                                  std::vector<at::Tensor>& tensors,
+                                                  const std::vector<at::Tensor>& tensors,
                                                   std::string& why) {
   BucketMiss miss;
   std::optional<BucketPlan> planned =
-      plan_call_buckets(policy, inputs, tensors, /*why=*/nullptr, &miss);
+      plan_collected_buckets(policy, inputs, tensors, /*why=*/nullptr, &miss);
   if (!planned) {
     // Note [A fallback costs nothing]: the message is built once per kind of miss.
     if (!module.last_miss || !(*module.last_miss == miss)) {
-      std::vector<at::Tensor> again;
-      (void)plan_call_buckets(policy, inputs, again, &module.last_miss_reason);
+      (void)plan_collected_buckets(policy, inputs, tensors, &module.last_miss_reason);
       module.last_miss = miss;
     }
     why = module.last_miss_reason;
@@ -521,8 +518,7 @@ std::optional<c10::IValue> GraphManager::call_locked(Module& module,
   }
 
   std::vector<at::Tensor> tensors;
-  std::string why;
-  std::optional<BucketPlan> planned = plan_call(module, options_.buckets, inputs, tensors, why);
+  collect_input_tensors(inputs, tensors);
   CallMode mode = CallMode::kInference;
   if (c10::GradMode::is_enabled()) {
     const auto requires_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
@@ -574,12 +570,10 @@ std::optional<c10::IValue> GraphManager::call_locked(Module& module,
   // Note [Buckets graphed picks itself]: inference calls only.
   const bool may_pick = mode == CallMode::kInference && options_.pick_buckets &&
                         options_.buckets.empty() && !module.picking_refused;
-  const BucketPolicy* policy = &options_.buckets;
-  if (may_pick && module.picked_buckets) {
-    policy = &*module.picked_buckets;
-    tensors.clear();
-    planned = plan_call(module, *policy, inputs, tensors, why);
-  }
+  const BucketPolicy* policy =
+      may_pick && module.picked_buckets ? &*module.picked_buckets : &options_.buckets;
+  std::string why;
+  std::optional<BucketPlan> planned = plan_call(module, *policy, inputs, tensors, why);
   if (!planned) {
     return fall_back(module, why, inputs, caller_runs_fallbacks);
   }
@@ -591,7 +585,6 @@ std::optional<c10::IValue> GraphManager::call_locked(Module& module,
   }
   if (slot == nullptr && may_pick && !module.picked_buckets && pick_buckets_for(module, inputs)) {
     policy = &*module.picked_buckets;
-    tensors.clear();
     planned = plan_call(module, *policy, inputs, tensors, why);
     if (!planned) {
       return fall_back(module, why, inputs, caller_runs_fallbacks);

@@ -71,4 +71,17 @@ std::optional<BucketPlan> plan_call_buckets(const BucketPolicy& buckets,
                                             std::vector<at::Tensor>& tensors, std::string* why,
                                             BucketMiss* miss = nullptr);
 
+/// Appends the defined tensors of `inputs` to `tensors`, in for_each_tensor
+/// order: what plan_collected_buckets takes.
+void collect_input_tensors(const std::vector<c10::IValue>& inputs,
+                           std::vector<at::Tensor>& tensors);
+
+/// plan_call_buckets for `tensors` collected from `inputs` before
+/// (collect_input_tensors), so that a caller planning with several policies
+/// collects them once.
+std::optional<BucketPlan> plan_collected_buckets(const BucketPolicy& buckets,
+                                                 const std::vector<c10::IValue>& inputs,
+                                                 const std::vector<at::Tensor>& tensors,
+                                                 std::string* why, BucketMiss* miss = nullptr);
+
 }  // namespace graphed

@@ -226,7 +226,7 @@ class GraphManager {
                                          bool caller_runs_fallbacks);
   std::optional<BucketPlan> plan_call(Module& module, const BucketPolicy& policy,
                                       const std::vector<c10::IValue>& inputs,
-                                      std::vector<at::Tensor>& tensors, std::string& why);
+                                      const std::vector<at::Tensor>& tensors, std::string& why);
   bool pick_buckets_for(Module& module, const std::vector<c10::IValue>& inputs);
   std::optional<c10::IValue> check_picked_buckets(Module& module,
                                                   const std::vector<c10::IValue>& inputs,
