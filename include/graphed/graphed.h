@@ -22,6 +22,7 @@
 #include "graphed/graph_schedule.h"
 #include "graphed/graphed_callable.h"
 #include "graphed/graph_manager.h"
+#include "graphed/grouped_mm.h"
 #include "graphed/memory_budget.h"
 #include "graphed/module_selection.h"
 #include "graphed/nvtx.h"

@@ -42,6 +42,7 @@ from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
 from . import distributed
 from . import fp8
+from . import moe
 from .nvtx import nvtx_enabled, set_nvtx
 
 __version__ = "0.1.0"

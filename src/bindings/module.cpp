@@ -119,6 +119,7 @@ PYBIND11_MODULE(_C, m) {
   register_auto(m);
   register_decoder(m);
   register_fp8(m);
+  register_moe(m);
 
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");

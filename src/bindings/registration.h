@@ -25,5 +25,7 @@ void register_auto(pybind11::module_& m);
 void register_decoder(pybind11::module_& m);
 // graphed.fp8: the float8 recipe, linear function and scaling update (fp8_bindings.cpp).
 void register_fp8(pybind11::module_& m);
+// graphed.moe: the grouped matrix product of mixture-of-experts layers (moe_bindings.cpp).
+void register_moe(pybind11::module_& m);
 
 }  // namespace graphed::python
