@@ -60,9 +60,15 @@ WORKLOADS["gpt_fp8"] = gpt_fp8.run
 import auto_overhead  # noqa: E402
 
 WORKLOADS["auto_overhead"] = auto_overhead.run
+
+# Today's architectures: mixture-of-experts, state-space, hybrids (issue 28)
+import zoo_modern  # noqa: E402
+
+WORKLOADS["zoo_modern"] = zoo_modern.run
 # Run only when named: soak measures safety, not speed (a minute or more);
-# gpt_fp8 trains a 400M-parameter model for minutes.
-OPT_IN = {"soak", "gpt_fp8"}
+# gpt_fp8 trains a 400M-parameter model for minutes; zoo_modern trains seven
+# models in two setups for minutes.
+OPT_IN = {"soak", "gpt_fp8", "zoo_modern"}
 
 
 def markdown(results) -> str:
@@ -70,6 +76,9 @@ def markdown(results) -> str:
     for name, workload in results["workloads"].items():
         if "error" in workload:
             lines.append(f"### {name}: FAILED\n\n```\n{workload['error']}\n```\n")
+            continue
+        if name == "zoo_modern":
+            lines.extend(zoo_modern.markdown(workload))
             continue
         if "models" in workload:
             lines.append(zoo.markdown(workload))

@@ -134,7 +134,10 @@ def main(out, bench_name="h200.json", logs=None):
     for data in results["workloads"].values():
         if "apis" in data:
             soak_rows(data)
-        if "models" in data:
+        if "models" in data and "steps" in data:  # zoo_modern
+            print()
+            print(_zoo_modern_markdown(data))
+        elif "models" in data:
             print()
             print(_zoo_markdown(data))
         if isinstance(data.get("kernel_floor_ms"), dict):
@@ -166,6 +169,13 @@ def _auto_overhead_markdown(data):
     import auto_overhead
 
     return "\n".join(auto_overhead.markdown(data))
+
+
+def _zoo_modern_markdown(data):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import zoo_modern
+
+    return "\n".join(zoo_modern.markdown(data))
 
 
 def _zoo_markdown(data):

@@ -2,6 +2,7 @@
 
 #include "graphed/static_io.h"
 
+#include <ATen/autocast_mode.h>
 #include <c10/util/StringUtil.h>
 
 #include <sstream>
@@ -114,9 +115,28 @@ std::string input_path(const std::vector<c10::IValue>& inputs, size_t target) {
 
 }  // namespace
 
+// Note [Autocast is part of the key]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A graph captured under torch.autocast replays the kernels autocast chose
+// then (bf16 GEMMs, fp32 reductions) whatever the caller's autocast state
+// is now: a module trained under bf16 autocast and evaluated without it
+// would silently keep computing in bf16. So CUDA autocast's state (off, or
+// on with its dtype) is the first code after the mode, and a call in another
+// state needs (and gets) a graph of its own. Reading it is two thread-local
+// loads.
+namespace {
+
+int64_t autocast_code() {
+  if (!at::autocast::is_autocast_enabled(at::kCUDA)) return 0;
+  return 1 + static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCUDA));
+}
+
+}  // namespace
+
 CallKey key_of(const std::vector<c10::IValue>& inputs, const BucketPlan& plan, CallMode mode) {
   CallKey key;
   key.codes.push_back(static_cast<int64_t>(mode));
+  key.codes.push_back(autocast_code());
   for (const c10::IValue& input : inputs) encode(input, plan, key);
   return key;
 }

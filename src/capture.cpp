@@ -66,6 +66,26 @@ void check_outputs(const StaticOutputs& outputs, const std::string& description)
   }
 }
 
+// `output` with each contiguous tensor that fits its arena copied into the
+// arena's front (inside the capture, so every replay copies), see
+// CaptureOptions::output_arenas.
+c10::IValue into_output_arenas(const c10::IValue& output, const std::vector<at::Tensor>& arenas,
+                               const std::vector<at::Tensor>& input_buffers) {
+  size_t index = 0;
+  return map_tensors(output, [&](const at::Tensor& tensor) {
+    const size_t position = index++;
+    if (position >= arenas.size() || !tensor.defined() || !tensor.is_contiguous() ||
+        shares_storage_with_any(tensor, input_buffers) ||
+        shares_storage_with_any(arenas[position], input_buffers)) {
+      return tensor;
+    }
+    at::Tensor front = arena_front(arenas[position], tensor);
+    if (!front.defined()) return tensor;
+    front.copy_(tensor);
+    return front;
+  });
+}
+
 double elapsed_ms(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
       .count();
@@ -122,7 +142,13 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
   captured.replay_range_ = nvtx_range_name(NvtxPhase::kReplay, subject);
   // Warm-up and capture must change nothing the caller can see (Invariant 1).
   const StateSnapshot snapshot = StateSnapshot::take(options.state, device);
-  captured.inputs_ = StaticInputs(std::vector<c10::IValue>(sample.begin(), sample.end()));
+  GRAPHED_CHECK(!options.autograd || (options.input_arenas.empty() && options.output_arenas.empty()),
+                "Expected no input or output arenas when capturing with autograd, got ",
+                options.input_arenas.size(), " input and ", options.output_arenas.size(),
+                " output arenas. Arenas share the buffers of inference graphs; capture "
+                "training graphs without them.");
+  captured.inputs_ = StaticInputs(std::vector<c10::IValue>(sample.begin(), sample.end()),
+                                  options.input_arenas);
   try {
     const auto warmup_started = std::chrono::steady_clock::now();
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device.index());
@@ -148,8 +174,15 @@ CapturedFunction capture(CapturableFunction function, std::vector<c10::IValue> s
     graph_options.description = options.description;
     {
       const NvtxRange range(NvtxPhase::kCapture, subject);
-      captured.graph_.capture([&] { output = function(captured.inputs_.tree()); },
-                              graph_options);
+      captured.graph_.capture(
+          [&] {
+            output = function(captured.inputs_.tree());
+            if (!options.output_arenas.empty()) {
+              output = into_output_arenas(output, options.output_arenas,
+                                          captured.inputs_.buffers());
+            }
+          },
+          graph_options);
     }
     captured.outputs_ = StaticOutputs(std::move(output));
     check_outputs(captured.outputs_, options.description);

@@ -43,10 +43,19 @@ double elapsed_ms(std::chrono::steady_clock::time_point since) {
       .count();
 }
 
-int64_t tensor_bytes(const std::vector<at::Tensor>& tensors) {
+// Bytes of `tensors`, leaving out those in the storage of one of `shared`
+// (memory another graph holds and counts: Note [Bucket graphs share their buffers]).
+int64_t tensor_bytes(const std::vector<at::Tensor>& tensors,
+                     const std::vector<at::Tensor>& shared = {}) {
   int64_t bytes = 0;
   for (const at::Tensor& tensor : tensors) {
-    if (tensor.defined()) bytes += static_cast<int64_t>(tensor.nbytes());
+    if (!tensor.defined()) continue;
+    const bool in_shared =
+        tensor.unsafeGetTensorImpl()->has_storage() &&
+        std::any_of(shared.begin(), shared.end(), [&](const at::Tensor& other) {
+          return other.defined() && other.storage().data() == tensor.storage().data();
+        });
+    if (!in_shared) bytes += static_cast<int64_t>(tensor.nbytes());
   }
   return bytes;
 }
@@ -100,6 +109,10 @@ class InferenceEntry final : public GraphEntry {
     return function_.graph().stats().pool_reserved_bytes;
   }
   double capture_ms() const override { return capture_ms_; }
+  std::vector<at::Tensor> static_inputs() const override { return function_.static_inputs(); }
+  std::vector<at::Tensor> static_outputs() const override {
+    return function_.static_output_tensors();
+  }
 
  private:
   static at::Tensor front_of(const at::Tensor& buffer, c10::IntArrayRef sizes) {
@@ -243,6 +256,8 @@ std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& reques
   options.state = request.module->state;
   options.description = request.description;
   options.input_update = request.input_update;
+  options.input_arenas = request.input_arenas;
+  options.output_arenas = request.output_arenas;
   std::optional<c10::Device> device;
   for (const c10::IValue& input : request.sample) {
     for_each_tensor(input, [&](const at::Tensor& tensor) {
@@ -255,8 +270,10 @@ std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& reques
   CapturedFunction function = capture(request.module->forward, request.sample, options);
   const double ms = elapsed_ms(started);
   const PoolMemory after = pool_memory(*options.pool, index);
-  const int64_t outputs = tensor_bytes(flatten_tensors(function.static_outputs()));
-  const int64_t bytes = tensor_bytes(function.static_inputs()) +
+  std::vector<at::Tensor> arenas = request.input_arenas;
+  arenas.insert(arenas.end(), request.output_arenas.begin(), request.output_arenas.end());
+  const int64_t outputs = tensor_bytes(function.static_output_tensors(), arenas);
+  const int64_t bytes = tensor_bytes(function.static_inputs(), arenas) +
                         std::max(outputs, after.reserved_bytes - before.reserved_bytes);
   return std::make_unique<InferenceEntry>(std::move(function), bytes, ms);
 }

@@ -392,11 +392,25 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
     request.warmup_iters = options_.capture_warmup_iters;
     request.error_mode = options_.error_mode;
     request.input_update = options_.input_update;
+    // Note [Bucket graphs share their buffers].
+    std::shared_ptr<const BucketArena> arena;
+    const bool bucketed = mode == CallMode::kInference && !target.dims().empty() &&
+                          options_.share_bucket_buffers;
+    if (bucketed) {
+      arena = module.arena.lock();
+      if (arena && fits_bucket_arena(request.sample, *arena)) {
+        request.input_arenas = arena->inputs;
+        request.output_arenas = arena->outputs;
+      } else {
+        arena.reset();
+      }
+    }
     request.description = target.dims().empty()
                               ? module.description
                               : c10::str(module.description, " at ", target.describe());
     try {
       ++depth_;
+      const AutocastCacheOff cache_off;  // Note [Autocast's cache while graphed.auto captures]
       slot->entry = factory(request);
       --depth_;
     } catch (const CaptureError&) {
@@ -412,6 +426,17 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
     } catch (...) {
       --depth_;
       throw;
+    }
+    bool new_arena = false;
+    if (slot->entry && bucketed) {
+      if (arena) {
+        slot->arena = arena;
+      } else {
+        BucketArena own{slot->entry->static_inputs(), slot->entry->static_outputs()};
+        // An entry that keeps its buffers private has none to share.
+        new_arena = !own.inputs.empty() || !own.outputs.empty();
+        if (new_arena) slot->arena = std::make_shared<const BucketArena>(std::move(own));
+      }
     }
     if (slot->entry) {
       ++counters_.captures;
@@ -434,6 +459,12 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
       result = raw;
     } else {
       module.slots.push_back(std::move(slot));
+    }
+    if (new_arena) {
+      module.arena = raw->arena;
+      rehome_bucket_graphs(module, *raw);
+    }
+    if (!is_wanted) {
       if (raw->entry && !lru_.over_budget(raw->id).empty()) {
         // No room for graphs captured ahead: capture the rest on demand.
         if (result == nullptr) {

@@ -19,6 +19,66 @@ std::string shown(const std::string& name) { return name.empty() ? "<root>" : na
 
 }  // namespace
 
+// Note [Bucket graphs share their buffers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A module served at buckets 1, 2, 4, ..., 32 has six graphs, and each held
+// static inputs and outputs of its own size: 63 rows' worth for a largest
+// call of 32, most of a bucketed model's graph memory (the intermediates are
+// scratch that all graphs of the shared pool reuse). The graphs of one
+// module never run at once (calls are serialised, each replay on the
+// caller's stream), and graphed.auto documents a module's outputs as valid
+// until its next call, so they can live in one place: the module's largest
+// bucket graph owns its buffers (the arena), and every other bucket graph of
+// the module keeps each input buffer in the front of the arena's (a
+// contiguous view of its first elements, StaticInputs) and ends its graph
+// by copying each output into the front of the arena's output
+// (CaptureOptions::output_arenas; the tensor the forward allocated becomes
+// scratch after capture). The copy is one device-side kernel per output in
+// the graph, no host work; inputs cost nothing. Memory per module drops to
+// the largest bucket's buffers, about half of the sum over power-of-two
+// buckets.
+//
+// Which graph is the largest is known only when it is captured. With
+// buckets given, a module's first capture captures every bucket largest
+// first (GraphManagerOptions::max_capture_ahead), so the first graph is the
+// arena. Captured on demand (buckets graphed picked, calls that came before
+// any broadcast tensor could be told apart) a graph whose inputs do not fit
+// becomes the new arena, and the module's graphs in the old one are evicted
+// (rehome_bucket_graphs) and captured again, in the new arena, when next
+// called: with sizes that grow by powers of two, a few captures per module.
+// Only bucketed graphs share: without buckets the sizes have no bound, and
+// growth would evict graphs without end. Tensors that do not fit (another
+// dtype or layout, a structure that changed) keep memory of their own, as do
+// outputs that are (views of) inputs. An entry counts only its own memory
+// (Note [Graph memory accounting]). GraphManagerOptions::share_bucket_buffers
+// = false gives every graph private buffers.
+
+bool fits_bucket_arena(const std::vector<c10::IValue>& sample, const BucketArena& arena) {
+  size_t index = 0;
+  bool fits = true;
+  for (const c10::IValue& input : sample) {
+    for_each_tensor(input, [&](const at::Tensor& tensor) {
+      if (index >= arena.inputs.size()) {
+        fits = false;
+      } else if (tensor.defined() && arena.inputs[index].defined() &&
+                 tensor.numel() > arena.inputs[index].numel()) {
+        fits = false;
+      }
+      ++index;
+    });
+  }
+  return fits && index == arena.inputs.size();
+}
+
+void GraphManager::rehome_bucket_graphs(Module& module, const Slot& keep) {
+  // Note [Bucket graphs share their buffers]: `keep` is the new arena.
+  std::vector<uint64_t> ids;
+  for (const auto& slot : module.slots) {
+    if (slot.get() != &keep && slot->arena && slot->arena != keep.arena) ids.push_back(slot->id);
+  }
+  for (uint64_t id : ids) evict(id);
+}
+
 void GraphManager::evict_inference_slots(Module& module) {
   std::vector<uint64_t> ids;
   for (const auto& slot : module.slots) {

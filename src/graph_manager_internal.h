@@ -9,6 +9,8 @@
 #include "graphed/graph_manager.h"
 #include "graphed/tensor_identity.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -16,6 +18,44 @@
 #include <vector>
 
 namespace graphed {
+
+// Note [Autocast's cache while graphed.auto captures]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under torch.autocast with its weight cache on (the default), a cast of a
+// weight made inside a capture would be kept in the cache, in the graph's
+// pool, and a cast made before it (by an eager module of the same autocast
+// region: tied embeddings) would be read by every replay after the region
+// freed it; make_graphed_callables refuses such captures (Note in
+// graphed_callable.cpp). graphed.auto captures inside the user's forward,
+// under the user's autocast, so it turns the cache off for its warm-up
+// runs and captures alone: the graphs cast the weights themselves on every
+// replay (what they must do anyway, as the weights change every step), and
+// the eager code around them keeps its cache.
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff() : was_enabled_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(was_enabled_); }
+  AutocastCacheOff(const AutocastCacheOff&) = delete;
+  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
+
+ private:
+  bool was_enabled_;
+};
+
+// The static inputs and outputs of a module's largest bucket graph, in whose
+// fronts its other bucket graphs keep theirs (Note [Bucket graphs share
+// their buffers] in graph_manager_buckets.cpp).
+struct BucketArena {
+  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> outputs;
+};
+
+// Whether every tensor of `sample` fits in its counterpart of `arena` (none
+// has more elements): false when a graph at these sizes must have buffers of
+// its own, and becomes the module's arena.
+bool fits_bucket_arena(const std::vector<c10::IValue>& sample, const BucketArena& arena);
 
 struct GraphManager::Slot {
   uint64_t id = 0;
@@ -27,6 +67,9 @@ struct GraphManager::Slot {
   // module: e.g. CPU tensors); calls with this key fall back at once.
   std::string failure;
   int64_t replays = 0;
+  // The buffers it keeps its own in (its own when it is the module's largest
+  // bucket graph); null when they are private.
+  std::shared_ptr<const BucketArena> arena;
 };
 
 struct GraphManager::Module {
@@ -61,6 +104,8 @@ struct GraphManager::Module {
   // with eager, and whether picking was refused for good.
   AutoBuckets auto_buckets;
   std::optional<BucketPolicy> picked_buckets;
+  // The buffers of its largest bucket graph, while one of its graphs uses them.
+  std::weak_ptr<const BucketArena> arena;
   bool picked_checked = false;
   bool picking_refused = false;
   // The last call that could not be bucketed and its reason, so that calls

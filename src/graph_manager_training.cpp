@@ -139,6 +139,7 @@ void GraphManager::capture_training_group(Module& trigger) {
   const auto started = std::chrono::steady_clock::now();
   ++depth_;
   try {
+    const AutocastCacheOff cache_off;  // Note [Autocast's cache while graphed.auto captures]
     entries = factories_.training_group(requests, group.order);
     --depth_;
   } catch (const Error& error) {

@@ -65,13 +65,31 @@ std::vector<at::Tensor> flatten_tensors(const c10::IValue& value) {
   return tensors;
 }
 
-StaticInputs::StaticInputs(const std::vector<c10::IValue>& sample) {
+at::Tensor arena_front(const at::Tensor& arena, const at::Tensor& like) {
+  if (!arena.defined() || !like.defined() || arena.scalar_type() != like.scalar_type() ||
+      arena.device() != like.device() || !arena.is_contiguous() ||
+      like.numel() > arena.numel() || like.numel() == 0 ||
+      (like.unsafeGetTensorImpl()->has_storage() &&
+       like.storage().data() == arena.storage().data())) {
+    return at::Tensor();
+  }
+  return arena.view(-1).narrow(0, 0, like.numel()).view(like.sizes());
+}
+
+StaticInputs::StaticInputs(const std::vector<c10::IValue>& sample,
+                           const std::vector<at::Tensor>& arenas) {
   // Buffers hold values, not autograd history, even when a sample requires grad.
   c10::NoGradGuard no_grad;
   tree_.reserve(sample.size());
   for (const c10::IValue& input : sample) {
     tree_.push_back(map_tensors(input, [&](const at::Tensor& tensor) {
-      at::Tensor buffer = at::empty_like(tensor, at::MemoryFormat::Preserve);
+      const size_t index = buffers_.size();
+      at::Tensor buffer;
+      // An input kept in its arena is contiguous there, whatever the sample's layout.
+      if (index < arenas.size() && tensor.is_contiguous()) {
+        buffer = arena_front(arenas[index], tensor);
+      }
+      if (!buffer.defined()) buffer = at::empty_like(tensor, at::MemoryFormat::Preserve);
       buffer.copy_(tensor);
       buffers_.push_back(buffer);
       return buffer;

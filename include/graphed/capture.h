@@ -90,6 +90,18 @@ struct CaptureOptions {
   InputUpdate input_update = InputUpdate::kCopy;
   /// The size from which InputUpdate::kAuto re-points rather than copies.
   int64_t repoint_min_bytes = int64_t{4} << 20;
+  /// Memory the static input buffers may live in, per input tensor in
+  /// signature order: a buffer is the front of its arena where it fits
+  /// (arena_front), else memory of its own. Inference only. GraphManager
+  /// passes the buffers of a module's largest bucket graph (Note [Bucket
+  /// graphs share their buffers] in src/graph_manager_buckets.cpp).
+  std::vector<at::Tensor> input_arenas;
+  /// Likewise for the outputs, per output tensor in for_each_tensor order:
+  /// the graph ends by copying each contiguous output that fits into the
+  /// front of its arena and returns that front, so that the output the
+  /// function allocated is scratch memory after capture. Outputs that are
+  /// (views of) inputs keep their own memory.
+  std::vector<at::Tensor> output_arenas;
   /// Record autograd too: warm-up and capture run with grad mode enabled, so a
   /// function that calls backward() (a training step) is captured whole.
   /// When false (inference), they run under no_grad and calls refuse inputs
@@ -130,6 +142,8 @@ class CapturedFunction {
   const std::vector<at::Tensor>& static_inputs() const { return inputs_.buffers(); }
   /// The static output tensors, as the last replay left them.
   c10::IValue static_outputs() const { return outputs_.materialize(/*clone=*/false); }
+  /// The static output tensors, in for_each_tensor order.
+  const std::vector<at::Tensor>& static_output_tensors() const { return outputs_.tensors(); }
   /// Indices (in signature order) of inputs the function writes in place.
   const std::vector<size_t>& mutated_inputs() const { return inputs_.mutated(); }
   /// Call counters and warm-up time.

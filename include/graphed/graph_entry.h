@@ -46,6 +46,12 @@ class GraphEntry {
   virtual int64_t pool_reserved_bytes() const = 0;
   /// Wall time of its capture, warm-up included, in milliseconds.
   virtual double capture_ms() const = 0;
+  /// The static input buffers (signature order) of an inference graph, in
+  /// whose fronts later graphs of the module may keep theirs (Note [Bucket
+  /// graphs share their buffers]); empty where they are private.
+  virtual std::vector<at::Tensor> static_inputs() const { return {}; }
+  /// Its static output tensors (for_each_tensor order), likewise.
+  virtual std::vector<at::Tensor> static_outputs() const { return {}; }
 };
 
 /// A module GraphManager manages.
@@ -94,6 +100,13 @@ struct GraphEntryRequest {
   std::string description;
   /// How replays bring inputs in; see InputUpdate.
   InputUpdate input_update = InputUpdate::kAuto;
+  /// Where the inference graph keeps its buffers where they fit: the static
+  /// inputs and outputs of the module's largest bucket graph (see
+  /// CaptureOptions::input_arenas and Note [Bucket graphs share their
+  /// buffers]); empty for memory of its own.
+  std::vector<at::Tensor> input_arenas;
+  /// Likewise for its outputs (CaptureOptions::output_arenas).
+  std::vector<at::Tensor> output_arenas;
 };
 
 /// Captures one entry; throws CaptureError when the module cannot be captured.
@@ -134,8 +147,10 @@ inline constexpr std::string_view kTrainingGraphsUnavailable = "training graphs 
 /// plus the larger of its static outputs and the growth of the shared pool
 /// during its capture: a graph that reused memory freed by earlier captures
 /// still pins its outputs; one that needed more made the pool grow by that
-/// much. The sum over live entries is what the memory budget limits; the
-/// pool itself is reported as pool_reserved_bytes.
+/// much. Buffers kept in another graph's (Note [Bucket graphs share their
+/// buffers]) are that graph's and count there. The sum over live entries is
+/// what the memory budget limits; the pool itself is reported as
+/// pool_reserved_bytes.
 std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& request);
 
 /// Captures a training entry: the module's forward and backward graphs for

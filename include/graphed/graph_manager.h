@@ -75,6 +75,12 @@ struct GraphManagerOptions {
   /// Capture every bucket of a module on its first capture, largest first
   /// (when there are at most this many combinations); 0 captures on demand.
   int max_capture_ahead = 64;
+  /// Graphs of one module at several buckets keep their static inputs and
+  /// outputs in the fronts of the largest one's (Note [Bucket graphs share
+  /// their buffers] in src/graph_manager_buckets.cpp): a module's outputs
+  /// are then valid until its next call at any bucket, as documented for
+  /// graphed.auto. False: every graph has buffers of its own.
+  bool share_bucket_buffers = true;
   /// See CaptureErrorMode.
   CaptureErrorMode error_mode = CaptureErrorMode::kGlobal;
   /// How replays bring inputs in. kAuto: an input that arrives where the
@@ -233,6 +239,7 @@ class GraphManager {
                                                   const c10::IValue& replayed, GraphEntry& entry,
                                                   const BucketPlan& plan);
   void evict_inference_slots(Module& module);
+  void rehome_bucket_graphs(Module& module, const Slot& keep);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
   void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
                             const c10::IValue& output);

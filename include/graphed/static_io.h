@@ -50,6 +50,14 @@ bool any_cross_alias(const std::vector<at::Tensor>& tensors,
 size_t clone_cross_aliases(std::vector<at::Tensor>& tensors,
                            const std::vector<at::Tensor>& buffers);
 
+/// A contiguous view of the first `like.numel()` elements of `arena`, shaped
+/// like `like`, when `like` fits there: same dtype and device, `arena`
+/// contiguous, no more elements, and `like` not in `arena`'s storage.
+/// Undefined otherwise. Graphs of one module at several buckets keep their
+/// buffers in the fronts of the largest one's (Note [Bucket graphs share
+/// their buffers] in src/graph_manager_buckets.cpp).
+at::Tensor arena_front(const at::Tensor& arena, const at::Tensor& like);
+
 /// Static input buffers: one per tensor of the sample inputs.
 ///
 /// Note [Static input buffers]
@@ -66,8 +74,11 @@ class StaticInputs {
   /// No buffers.
   StaticInputs() = default;
   /// Allocates a buffer for each tensor of `sample` (same sizes, dtype,
-  /// device and memory format) holding the sample's values.
-  explicit StaticInputs(const std::vector<c10::IValue>& sample);
+  /// device and memory format) holding the sample's values. Where
+  /// `arenas[i]` (signature order) is given and the i-th tensor fits there
+  /// (arena_front), its buffer is that front instead of new memory.
+  explicit StaticInputs(const std::vector<c10::IValue>& sample,
+                        const std::vector<at::Tensor>& arenas = {});
 
   /// The sample with each tensor replaced by its buffer: what the captured
   /// function is called with during warm-up and capture.

@@ -325,15 +325,21 @@ def advise(fn: Callable[..., Any], *args: Any, other_inputs: Sequence[Any] = (),
 
 
 def eager_training_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                        loss_fn: Optional[Callable[..., torch.Tensor]]
-                        ) -> Callable[[Any], torch.Tensor]:
+                        loss_fn: Optional[Callable[..., torch.Tensor]],
+                        amp: Optional[str] = None) -> Callable[[Any], torch.Tensor]:
     """The usual eager step: ``zero_grad()``, forward, loss, backward, ``step()``;
     the batch in any form of Note [Batch forms] (python/graphed/train.py),
-    the forward called as the user would (no arguments added)."""
+    the forward called as the user would (no arguments added). ``amp="bf16"``:
+    forward and loss under bf16 autocast, as TrainStep's ``amp="bf16"``."""
+    if amp not in (None, "bf16"):
+        raise GraphedError(f'Expected amp to be None or "bf16" for an eager reference step, '
+                           f'got {amp!r}. fp16 needs loss scaling: use '
+                           'graphed.TrainStep.from_parts(..., amp="fp16").')
 
     def step(batch: Any) -> torch.Tensor:
         optimizer.zero_grad()
-        loss = batch_loss(model, loss_fn, batch)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp == "bf16"):
+            loss = batch_loss(model, loss_fn, batch)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -356,7 +362,8 @@ def _copies(model: nn.Module, optimizer: torch.optim.Optimizer
 
 def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                     loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any, *,
-                    settings: Optional[ProfileSettings] = None) -> Advice:
+                    settings: Optional[ProfileSettings] = None,
+                    amp: Optional[str] = None) -> Advice:
     """Advice on capturing a whole training iteration with graphed.TrainStep.
 
     The trace is of the iteration TrainStep.from_parts captures (gradients
@@ -364,7 +371,8 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
     on copies of ``model`` and ``optimizer``, so the prediction is of what the
     graph will run; the eager time is of the usual step (``zero_grad()``,
     forward, backward, ``step()``) with ``optimizer`` as configured, on other
-    copies. ``model`` and ``optimizer`` are not touched.
+    copies. ``model`` and ``optimizer`` are not touched. ``amp="bf16"``: both
+    under bf16 autocast (TrainStep's ``amp``).
     ``sample_batch`` is ``(inputs, targets)``, or a dict of model arguments
     (``loss_fn=None``: the model's own loss); see Note [Batch forms] in
     python/graphed/train.py.
@@ -385,17 +393,18 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
     trial: Optional[TrialCapture] = None
     try:
         eager_model, eager_optimizer = _copies(model, optimizer)
-        eager = eager_training_step(eager_model, eager_optimizer, loss_fn)
+        eager = eager_training_step(eager_model, eager_optimizer, loss_fn, amp)
         for _ in range(settings.warmup):
             eager(sample_batch)
         eager_ms = _C.time_ms(lambda: eager(sample_batch), settings.timed_iters,
                               settings.timed_repeats, 0)
 
         graph_model, graph_optimizer = _copies(model, optimizer)
-        iteration, _ = training_iteration(graph_model, graph_optimizer, loss_fn, sample_batch)
+        iteration, _ = training_iteration(graph_model, graph_optimizer, loss_fn, sample_batch,
+                                          amp=amp)
         report = _check(iteration, sample_batch)
         if report.verdict == "try_capture":
-            trial = _trial_training_capture(model, optimizer, loss_fn, sample_batch, report)
+            trial = _trial_training_capture(model, optimizer, loss_fn, sample_batch, report, amp)
         blockers = _blockers_after_trial(report, trial)
         between, module_graphs = (_locate_blockers(lambda: iteration(sample_batch), [graph_model])
                                   if blockers else (False, 0))
@@ -413,7 +422,7 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _trial_training_capture(model: nn.Module, optimizer: torch.optim.Optimizer,
                             loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any,
-                            report: Any) -> TrialCapture:
+                            report: Any, amp: Optional[str] = None) -> TrialCapture:
     """TrainStep.from_parts on copies of ``model`` and ``optimizer``, released
     at once: does the step capture although graphed.check found something?"""
     from .train import TrainStep
@@ -421,7 +430,8 @@ def _trial_training_capture(model: nn.Module, optimizer: torch.optim.Optimizer,
     trial_model, trial_optimizer = _copies(model, optimizer)
 
     def capture_once() -> None:
-        TrainStep.from_parts(trial_model, trial_optimizer, loss_fn, sample_batch).release()
+        TrainStep.from_parts(trial_model, trial_optimizer, loss_fn, sample_batch,
+                             amp=amp).release()
 
     try:
         return _try_capture(capture_once, [f.to_dict() for f in report.findings])

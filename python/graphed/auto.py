@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import _C
+from ._experts import capturable_experts
 from ._progress import CaptureProgress
 from ._weak_forward import weak_forward
 
@@ -149,7 +150,7 @@ def auto(
         module.forward = _managed_forward(manager, index, module, name, own_forwards)
     object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
     object.__setattr__(model, _OWN_FORWARDS_ATTRIBUTE, own_forwards)
-    notes = _turn_cache_off_in_training(model)
+    notes = capturable_experts(model) + _turn_cache_off_in_training(model)
     object.__setattr__(model, _NOTES_ATTRIBUTE, notes)
     logger.debug("auto: %s graphs %d module(s): %s", type(model).__name__, len(names),
                  ", ".join(name or "<root>" for name in names))

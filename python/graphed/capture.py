@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 import torch
 
 from . import _C
+from ._experts import capturable_experts
 
 PoolHandle = Tuple[int, int]
 
@@ -99,6 +100,8 @@ def capture(
     tensor_dicts = None
     if isinstance(fn, torch.nn.Module):
         module = fn
+        for note in capturable_experts(module):
+            logger.info("capture: %s", note)
         state = [buffer for buffer in module.buffers()]
         guards = [("module.training", lambda: module.training)]
         # Each call checks that the graph's parameters and buffers were not

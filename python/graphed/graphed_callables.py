@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Unio
 import torch
 
 from . import _C, distributed
+from ._experts import capturable_experts
 from ._weak_forward import weak_forward
 
 PoolHandle = Tuple[int, int]
@@ -181,6 +182,9 @@ def make_graphed_callables(
         sample_args = (sample_args,)
         sample_kwargs = (sample_kwargs or {},)
     callables = tuple(callables)
+    for callable_ in callables:
+        for note in capturable_experts(callable_):
+            logger.info("make_graphed_callables: %s", note)
     if not isinstance(sample_args, (tuple, list)):
         raise _C.GraphedError(
             f"Expected sample_args to be a tuple with one tuple of arguments per callable, got "

@@ -55,11 +55,12 @@ def _capture_whole(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[Calla
 
 
 def _train_whole(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                 batch: Any) -> Tuple[Callable, Undo]:
-    return TrainStep.from_parts(model, optimizer, loss_fn, batch), _nothing
+                 batch: Any, amp: Optional[str] = None) -> Tuple[Callable, Undo]:
+    return TrainStep.from_parts(model, optimizer, loss_fn, batch, amp=amp), _nothing
 
 
-def _graph_modules(model: nn.Module, run_once: Callable[[], Any]) -> Undo:
+def _graph_modules(model: nn.Module, run_once: Callable[[], Any],
+                   amp: Optional[str] = None) -> Undo:
     """Replaces the outermost submodule calls of ``model`` by graphed ones
     (graphed.make_graphed_callables, torch's signature), in place."""
     import graphed
@@ -77,7 +78,9 @@ def _graph_modules(model: nn.Module, run_once: Callable[[], Any]) -> Undo:
         samples.append(tuple(a.detach().clone().requires_grad_(a.requires_grad)
                              if isinstance(a, torch.Tensor) else a for a in args))
     had_forward = [("forward" in vars(m), vars(m).get("forward")) for m in modules]
-    graphed.make_graphed_callables(tuple(modules), tuple(samples))
+    # Under amp the modules run inside the step's autocast: captured there too.
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp == "bf16"):
+        graphed.make_graphed_callables(tuple(modules), tuple(samples))
 
     def undo() -> None:
         for module, (had, forward) in zip(modules, had_forward):
@@ -96,9 +99,14 @@ def _per_module(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[Callable
 
 
 def _train_per_module(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      loss_fn: Optional[Callable], batch: Any) -> Tuple[Callable, Undo]:
-    undo = _graph_modules(model, lambda: batch_loss(model, loss_fn, batch))
-    return eager_training_step(model, optimizer, loss_fn), undo
+                      loss_fn: Optional[Callable], batch: Any,
+                      amp: Optional[str] = None) -> Tuple[Callable, Undo]:
+    def run_once() -> Any:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp == "bf16"):
+            return batch_loss(model, loss_fn, batch)
+
+    undo = _graph_modules(model, run_once, amp)
+    return eager_training_step(model, optimizer, loss_fn, amp), undo
 
 
 @dataclass
@@ -260,6 +268,43 @@ def _max_diff(expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], rto
     return worst
 
 
+def _package_of(path: str) -> Optional[str]:
+    """``transformers/integrations/moe.py`` for a file inside an installed
+    package, else None."""
+    for marker in ("/site-packages/", "/dist-packages/", "\\site-packages\\"):
+        if marker in path:
+            return path.split(marker, 1)[1].replace("\\", "/")
+    return None
+
+
+def _where_blockers_sit(blockers: Sequence[Dict[str, Any]]) -> str:
+    """The reason optimize gives for blockers that stop it: where they are (the
+    user's file, or an installed package's, named as the package's) and what
+    to do about each kind."""
+    places = []
+    for blocker in blockers:
+        path, line = blocker.get("file"), blocker.get("line")
+        where = _package_of(path) if path else None
+        if where is None and path:
+            where = f"{path}"
+        label = blocker.get("label") or blocker.get("op") or "an operation"
+        if where:
+            places.append((bool(blocker.get("in_installed_package")),
+                           f"{label} at {where}:{line}"))
+        else:
+            places.append((False, label))
+    in_packages = [text for inside, text in places if inside]
+    in_user_code = [text for inside, text in places if not inside]
+    if in_packages and not in_user_code:
+        return ("capture blockers sit inside installed packages, not in your code: "
+                f"{'; '.join(in_packages[:3])}. graphed has no capturable replacement for "
+                "them: keep those modules out of the graphs (graphed.auto(modules=...) graphs "
+                "the others), or report it to graphed with the lines above")
+    listed = "; ".join(in_user_code[:3]) or "see the advice below"
+    return (f"capture blockers sit inside the modules, in your code: {listed}; fix what "
+            "graphed.check lists (see the advice below)")
+
+
 def _choose(advice: Advice, force: bool) -> str:
     strategy = advice.strategy
     if strategy == "fix_blockers":
@@ -274,8 +319,7 @@ def _choose(advice: Advice, force: bool) -> str:
             raise _Rejected("graphed.check found operations that would freeze values into the "
                             "graph (a capture would succeed and replay stale data); fix what it "
                             "lists (see the advice below)")
-        raise _Rejected("capture blockers sit inside the modules, in your code; fix what "
-                        "graphed.check lists (see the advice below)")
+        raise _Rejected(_where_blockers_sit(advice.blockers))
     if strategy == "stay_eager":
         if not force:
             raise _Rejected(f"{advice.verdict}: predicted {advice.predicted_speedup:.2f}x; pass "
@@ -308,7 +352,8 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
              loss_fn: Optional[Callable[..., torch.Tensor]] = None, *, sample_batch: Any,
              rtol: float = 1e-3, atol: float = 1e-4, verify_steps: int = 3,
              force: bool = False, settings: Optional[ProfileSettings] = None,
-             progress: Union[Progress, bool, None] = None) -> OptimizeReport:
+             progress: Union[Progress, bool, None] = None,
+             amp: Optional[str] = None) -> OptimizeReport:
     """Make ``model`` (or a training step of it) run as CUDA graphs, if that pays.
 
     Inference form, ``optimize(model, sample_batch=x)``: ``model`` is a module or
@@ -332,6 +377,10 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     side by side; report. ``report.notes`` says what graphed changed to apply
     graphs (``use_cache=False`` in a transformers training step).
 
+    ``amp="bf16"`` (training form): forward and loss under bf16 autocast,
+    the weights and optimizer as they are (fp32 master weights, the usual
+    mixed precision), in the eager reference and in the graphs alike.
+
     Returns an :class:`OptimizeReport`, true when graphs were applied: use
     ``report.fn(*args)`` or ``report.step(batch)``. When anything fails, the
     numerics differ or the graph is not faster (unless ``force``), the model,
@@ -353,6 +402,13 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
                 "The training form is optimize(model, optimizer, loss_fn, sample_batch=(inputs, "
                 f"targets)) with an nn.Module model; got model {type(model).__name__}.")
         check_batch_form(sample_batch, loss_fn)
+    if amp not in (None, "bf16"):
+        raise GraphedError(f'Expected amp to be None or "bf16", got {amp!r}. fp16 autocast '
+                           'needs loss scaling: use graphed.TrainStep.from_parts(..., '
+                           'amp="fp16").')
+    if amp is not None and optimizer is None:
+        raise GraphedError("amp= applies to the training form of optimize (with an optimizer); "
+                           "for inference, call optimize inside torch.autocast instead.")
     bar: Optional[_progress.Progress] = None
     if progress is None or progress is True:
         bar = _progress.Progress(4 if optimizer is None else 5, "graphed.optimize",
@@ -369,7 +425,7 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
             report = _optimize_inference(model, sample_batch, rtol, atol, force, settings, stages)
         else:
             report = _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol,
-                                        verify_steps, force, settings, stages)
+                                        verify_steps, force, settings, stages, amp)
     finally:
         if bar is not None:
             bar.close()
@@ -448,28 +504,29 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
 def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                        loss_fn: Callable[..., torch.Tensor], batch: Any, rtol: float,
                        atol: float, verify_steps: int, force: bool, settings: ProfileSettings,
-                       progress: Progress) -> OptimizeReport:
+                       progress: Progress, amp: Optional[str] = None) -> OptimizeReport:
     report = OptimizeReport(f"training step of {describe(model)}", training=True, rtol=rtol,
                             atol=atol, verify_steps=verify_steps)
     snapshot = Snapshot(model, optimizer)
     undo: Undo = _nothing
     try:
         progress("check and advise")
-        report.advice = advise_training(model, optimizer, loss_fn, batch, settings=settings)
+        report.advice = advise_training(model, optimizer, loss_fn, batch, settings=settings,
+                                        amp=amp)
         report.check_false_findings = list(report.advice.check_false_findings)
         report.strategy = _choose(report.advice, force)
         strategy = STRATEGIES[report.strategy]
 
         progress("eager reference")
         reference_model, reference_optimizer = _copies(model, optimizer)
-        eager = eager_training_step(reference_model, reference_optimizer, loss_fn)
+        eager = eager_training_step(reference_model, reference_optimizer, loss_fn, amp)
         rng = RngSnapshot()
         expected_losses = [eager(batch) for _ in range(verify_steps)]
         expected_params = [p.detach().clone() for p in reference_model.parameters()]
         rng.restore()
 
         progress(f"apply {report.strategy}")
-        step, undo = strategy.training(model, optimizer, loss_fn, batch)
+        step, undo = strategy.training(model, optimizer, loss_fn, batch, amp)
         report.notes = list(getattr(step, "notes", []))
         guard_state = step.guard.state() if getattr(step, "guard", None) is not None else []
         captured = ValueSnapshot(training_state([model], [optimizer], guard_state))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import _C, distributed, fp8
+from ._experts import capturable_experts
 from ._C import GraphedError
 
 logger = logging.getLogger(__name__)
@@ -340,6 +341,8 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise GraphedError(f"Expected microbatches >= 1, got {microbatches}.")
     check_batch_form(sample_batch, loss_fn)
     extra_kwargs, notes = training_forward_kwargs(model, sample_batch)
+    target = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    notes = capturable_experts(target) + notes
     make_capturable(optimizer)
     scaling = loss_scaling or (_C.LossScaling() if amp == "fp16" else None)
     if (skip_nonfinite or scaling is not None) and not _fusable(optimizer):

@@ -2,7 +2,8 @@
 // bucket plans, budgets and fallbacks with their reasons, training groups.
 // Entries are fakes that run the module on CPU tensors, so no GPU is needed;
 // make_inference_entry is tested on the GPU in test_graph_entry.cpp and from
-// Python (tests/python/test_auto_gpu.py). Memory sizes, module selection and
+// Python (tests/python/test_auto_gpu.py); the GraphManagerOnGpu cases use it
+// for what only real buffers show (bucket graphs sharing them). Memory sizes, module selection and
 // training-group plans have test files of their own.
 
 #include "graphed/check.h"
@@ -663,6 +664,72 @@ TEST(GraphManager, CheckedWarmupFindsAHostReadAndFallsBack) {
             std::string::npos)
       << stats.fallbacks[0].reason;
   EXPECT_EQ(stats.modules[0].state, "eager");
+}
+
+// GraphManager with real graphs (make_inference_entry) of a module computing
+// 2 * x + 1 on the GPU.
+struct GpuManager {
+  explicit GpuManager(GraphManagerOptions options) : manager(with_defaults(options)) {
+    index = manager.add_module(doubling_module("layer", &eager_runs));
+  }
+  static GraphManagerOptions with_defaults(GraphManagerOptions options) {
+    options.warmup = 1;
+    options.check_blockers = false;
+    return options;
+  }
+  at::Tensor call(int64_t batch) {
+    const at::Tensor x = at::randn({batch, 64}, at::TensorOptions().device(at::kCUDA));
+    const at::Tensor y = manager.call(index, call_inputs(x)).toTensor();
+    EXPECT_TRUE(at::allclose(y, x * 2 + 1)) << "batch " << batch;
+    return y;
+  }
+  int64_t eager_runs = 0;
+  GraphManager manager;
+  size_t index = 0;
+};
+
+TEST(GraphManagerOnGpu, BucketGraphsOfAModuleShareTheLargestOnesBuffers) {
+  // Note [Bucket graphs share their buffers].
+  GRAPHED_REQUIRE_GPU();
+  GraphManagerOptions options;
+  options.buckets = BucketPolicy(Buckets{{0, {1, 2, 4, 8, 16, 32}}});
+  GpuManager shared(options);
+  options.share_bucket_buffers = false;
+  GpuManager separate(options);
+  for (GpuManager* m : {&shared, &separate}) {
+    for (int64_t batch : {3, 3, 32, 17, 9, 5, 3, 2, 1, 30}) (void)m->call(batch);
+    EXPECT_EQ(m->manager.stats().captures, 6);
+    EXPECT_EQ(m->manager.stats().replays, 9);
+  }
+  // Outputs of every bucket in the largest graph's: valid until the next call.
+  const at::Tensor small = shared.call(3);
+  const at::Tensor large = shared.call(20);
+  EXPECT_EQ(small.data_ptr(), large.data_ptr());
+  // Buffers for 32 rows instead of 63, inputs and outputs alike.
+  const int64_t with = shared.manager.stats().graph_memory_bytes;
+  const int64_t without = separate.manager.stats().graph_memory_bytes;
+  EXPECT_LT(with, without * 2 / 3) << with << " vs " << without;
+}
+
+TEST(GraphManagerOnGpu, AGraphLargerThanTheArenaTakesItsPlaceAndTheOthersFollow) {
+  // Buckets graphed picked, calls growing: each larger graph becomes the
+  // module's arena and its smaller graphs are captured again inside it.
+  GRAPHED_REQUIRE_GPU();
+  GraphManagerOptions options;
+  options.pick_buckets = true;
+  GpuManager m(options);
+  for (int64_t batch : {1, 2, 3, 5, 7, 12, 30}) (void)m.call(batch);
+  const int64_t captures = m.manager.stats().captures;
+  for (int round = 0; round < 2; ++round) {
+    for (int64_t batch : {1, 2, 3, 5, 7, 12, 30}) (void)m.call(batch);
+  }
+  // At most one more capture per bucket below 32 (evicted by a larger one), then none.
+  const int64_t recaptures = m.manager.stats().captures - captures;
+  EXPECT_GT(recaptures, 0);
+  EXPECT_LE(recaptures, 5);
+  for (int64_t batch : {1, 2, 3, 5, 7, 12, 30}) (void)m.call(batch);
+  EXPECT_EQ(m.manager.stats().captures, captures + recaptures);
+  EXPECT_TRUE(m.manager.stats().fallbacks.empty());
 }
 
 TEST(GraphManager, UnknownModuleIndexIsRefused) {

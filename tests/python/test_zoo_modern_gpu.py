@@ -1,0 +1,107 @@
+"""Today's architectures (small sizes of bench/zoo_modern_models.py: the
+mixture-of-experts models of transformers, Mamba2, a Mamba2/attention/experts
+hybrid, and a hand-written mixture of experts) in both setups of the second
+zoo, bf16 parameters and fp32 master weights under bf16 autocast: TrainStep
+and auto train them like eager, and the transformers experts are switched
+to graphed's grouped GEMM where torch's would read its offsets on the host."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+import graphed
+from graphed.train import batch_loss
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import zoo_modern_models  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TRANSFORMERS_MODELS = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "mamba2",
+                       "granite_moe_hybrid"]
+STEPS = 4
+
+
+def _entry(name, setup):
+    if name != "handwritten_moe":
+        pytest.importorskip("transformers")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return zoo_modern_models.build(name, "test", setup)
+
+
+def _autocast(setup):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp_bf16")
+
+
+def _losses(model, entry, setup, steps=STEPS):
+    optimizer = entry.make_optimizer(model)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with _autocast(setup):
+            loss = batch_loss(model, None, entry.batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
+def _tolerance(setup):
+    # bf16 parameters: bf16 rounding of kernels chosen differently inside a graph.
+    return 2e-2 if setup == "bf16" else 2e-3
+
+
+@pytest.mark.parametrize("setup", zoo_modern_models.SETUPS)
+@pytest.mark.parametrize("name", TRANSFORMERS_MODELS)
+def test_trainstep_trains_like_eager(name, setup):
+    entry = _entry(name, setup)
+    eager_model = copy.deepcopy(entry.model)
+    expected = _losses(eager_model, entry, setup)
+    model = copy.deepcopy(entry.model)
+    step = graphed.TrainStep.from_parts(model, entry.make_optimizer(model), None, entry.batch,
+                                        amp="bf16" if setup == "amp_bf16" else None)
+    got = torch.stack([step(entry.batch).float() for _ in range(STEPS)])
+    torch.testing.assert_close(got, expected, rtol=_tolerance(setup), atol=1e-3)
+    experts = [m for m in model.modules() if hasattr(m, "has_gate")]
+    if experts and setup == "amp_bf16":
+        # fp32 experts: torch's grouped GEMM would read the offsets on the host.
+        assert all(m.config._experts_implementation == "graphed_grouped_mm" for m in experts)
+        assert any("graphed_grouped_mm" in note for note in step.notes), step.notes
+
+
+@pytest.mark.parametrize("setup", zoo_modern_models.SETUPS)
+@pytest.mark.parametrize("name", TRANSFORMERS_MODELS)
+def test_auto_graphs_every_layer_and_trains_like_eager(name, setup):
+    entry = _entry(name, setup)
+    expected = _losses(copy.deepcopy(entry.model), entry, setup, steps=STEPS + 2)
+    model = graphed.auto(copy.deepcopy(entry.model))
+    got = _losses(model, entry, setup, steps=STEPS + 2)
+    torch.testing.assert_close(got, expected, rtol=_tolerance(setup), atol=1e-3)
+    stats = graphed.auto_stats(model)
+    assert stats["replays"] > 0, stats
+    assert not stats["fallbacks"], stats["fallbacks"]
+
+
+def test_auto_runs_the_hand_written_moe_like_eager():
+    entry = _entry("handwritten_moe", "amp_bf16")
+    expected = _losses(copy.deepcopy(entry.model), entry, "amp_bf16", steps=5)
+    model = graphed.auto(copy.deepcopy(entry.model))
+    got = _losses(model, entry, "amp_bf16", steps=5)
+    torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-3)
+
+
+def test_graphed_experts_match_transformers_grouped_mm_in_fp32():
+    pytest.importorskip("transformers")
+    entry = _entry("qwen3_moe", "amp_bf16")  # fp32 parameters
+    reference = copy.deepcopy(entry.model)
+    model = copy.deepcopy(entry.model)
+    from graphed.integrations.transformers_experts import use_graphed_experts
+    assert use_graphed_experts(model)
+    with torch.no_grad():
+        want = reference(input_ids=entry.batch["input_ids"]).logits
+        got = model(input_ids=entry.batch["input_ids"]).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
