@@ -207,6 +207,9 @@ c10::IValue GraphManager::run_warmup(Module& module, const std::vector<c10::IVal
   check_options.description = module.description;
   ++depth_;
   try {
+    // The check sees what a capture would run (Note [Autocast's cache while
+    // graphed.auto captures]): casts of the weights inside the module.
+    const AutocastCacheOff cache_off;
     report = check_safety(
         [&] {
           ran = true;

@@ -35,7 +35,7 @@ from ._C import (
     SafetyReport,
 )
 from .capture import capture, capture_stream, graph_pool_handle
-from .auto import auto, stats as auto_stats
+from .auto import auto, stats as auto_stats, undo as auto_undo
 from .check import check
 from .generate import Decoder, generate
 from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
@@ -83,6 +83,7 @@ __all__ = [
     "TrainStep",
     "auto",
     "auto_stats",
+    "auto_undo",
     "SafetyFinding",
     "SafetyReport",
     "capture",

@@ -26,6 +26,7 @@ ModuleChoice = Union[str, type]
 
 _MANAGER_ATTRIBUTE = "_graphed_auto_manager"
 _NOTES_ATTRIBUTE = "_graphed_auto_notes"
+_UNDO_ATTRIBUTE = "_graphed_auto_undo"
 _OWN_FORWARDS_ATTRIBUTE = "_graphed_auto_own_forwards"
 
 
@@ -134,6 +135,11 @@ def auto(
                           if buckets and not pick_buckets else None),
     )
     own_forwards: List[str] = []
+    # What undo() puts back: Note [Undoing graphed.auto].
+    previous_forwards = [(model.get_submodule(name), model.get_submodule(name).__dict__.get(
+        "forward")) for name in names if name]
+    previous_model_forward = model.__dict__.get("forward")
+    previous_class = type(model)
     for name in names:
         module = model.get_submodule(name)
         submodules = list(module.modules())
@@ -150,14 +156,68 @@ def auto(
         module.forward = _managed_forward(manager, index, module, name, own_forwards)
     object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
     object.__setattr__(model, _OWN_FORWARDS_ATTRIBUTE, own_forwards)
+    experts_before = _experts_implementations(model)
     notes = capturable_experts(model) + _turn_cache_off_in_training(model)
     object.__setattr__(model, _NOTES_ATTRIBUTE, notes)
+
+    model_ref = weakref.ref(model)  # the model holds undo(): no cycle back to it
+
+    def undo() -> None:
+        target = model_ref()
+        if target is None:
+            return
+        for module, forward in previous_forwards + [(target, previous_model_forward)]:
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+        for config, implementation in experts_before:
+            config._experts_implementation = implementation
+        manager.clear()
+        for attribute in (_MANAGER_ATTRIBUTE, _OWN_FORWARDS_ATTRIBUTE, _NOTES_ATTRIBUTE,
+                          _UNDO_ATTRIBUTE):
+            target.__dict__.pop(attribute, None)
+        target.__class__ = previous_class
+
+    object.__setattr__(model, _UNDO_ATTRIBUTE, undo)
     logger.debug("auto: %s graphs %d module(s): %s", type(model).__name__, len(names),
                  ", ".join(name or "<root>" for name in names))
     for note in notes:
         logger.info("auto: %s", note)
     model.__class__ = _graphed_class(type(model))
     return model
+
+
+# Note [Undoing graphed.auto]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# graphed.optimize tries per-block graphs on the user's own model when the
+# whole step cannot be captured, and must leave it as it was when that does
+# not pay. auto changes the model in place: the managed modules' forwards,
+# the model's forward (use_cache=False in training), its class (for
+# stats()), the experts implementation of transformers' mixture-of-experts
+# layers. undo(model) puts each back and drops the graphs; the weights were
+# never touched.
+
+
+def undo(model: nn.Module) -> None:
+    """Puts ``model`` back as it was before :func:`auto` (Note [Undoing
+    graphed.auto]) and releases its graphs. Raises when ``model`` is not
+    managed by graphed.auto."""
+    restore = model.__dict__.get(_UNDO_ATTRIBUTE)
+    if restore is None:
+        raise _C.GraphedError("This model is not managed by graphed.auto, so there is nothing to "
+                              "undo.")
+    restore()
+
+
+def _experts_implementations(model: nn.Module) -> List[tuple]:
+    """(config, experts implementation) of transformers' experts layers."""
+    seen = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(module, "has_gate") and config is not None and id(config) not in seen:
+            seen[id(config)] = (config, getattr(config, "_experts_implementation", None))
+    return list(seen.values())
 
 
 def _turn_cache_off_in_training(model: nn.Module) -> List[str]:

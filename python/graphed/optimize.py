@@ -122,12 +122,48 @@ class _Strategy:
         return self.needs if self.needs and not hasattr(graphed, self.needs) else None
 
 
+def _no_inference_per_block(fn: Callable[..., Any], args: Tuple[Any, ...]
+                            ) -> Tuple[Callable, Undo]:
+    raise _Rejected("per-block graphs are tried for training steps only")
+
+
+def _train_per_block(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     loss_fn: Optional[Callable], batch: Any,
+                     amp: Optional[str] = None) -> Tuple[Callable, Undo]:
+    """graphed.auto on the model, the optimizer eager: Note [Per-block graphs
+    when the step cannot be captured]."""
+    import graphed
+
+    graphed.auto(model)
+    step = eager_training_step(model, optimizer, loss_fn, amp)
+    step.notes = graphed.auto_stats(model)["notes"]  # type: ignore[attr-defined]
+    step.auto_model = model  # type: ignore[attr-defined]
+    return step, lambda: graphed.auto_undo(model)
+
+
 STRATEGIES: Dict[str, _Strategy] = {
     "full_capture": _Strategy(_capture_whole, _train_whole),
     "per_module": _Strategy(_per_module, _train_per_module, needs="make_graphed_callables",
                             in_place=True),
     "bucketed": _Strategy(_capture_whole, _train_whole, needs="auto"),
+    "per_block": _Strategy(_no_inference_per_block, _train_per_block, needs="auto",
+                           in_place=True),
 }
+
+# Note [Per-block graphs when the step cannot be captured]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A whole training step fails to capture when anything in it cannot be
+# captured: a host read in the user's loop, or code inside a library around
+# the blocks (transformers builds gpt-oss's eager attention mask with a
+# host-to-device copy of a scalar). Most of those sit outside the repeated
+# blocks that hold the kernels, so instead of refusing, optimize tries
+# graphed.auto on the model (per-block graphs of forward and backward, the
+# optimizer eager; blocks that still cannot be captured run their own
+# forward), verifies it against eager like any strategy after the warm-up
+# steps auto needs, and keeps it only if it is faster. report.strategy is
+# "per_block", report.reason says why the whole step could not be captured,
+# and report.graphed_parts says what auto graphed. graphed.auto_undo puts the
+# model back when it is not kept (Note [Undoing graphed.auto]).
 
 
 # --- the report -------------------------------------------------------------------
@@ -332,6 +368,23 @@ def _choose(advice: Advice, force: bool) -> str:
     return strategy
 
 
+def _per_block_note(model: nn.Module, why: str) -> str:
+    """What per-block graphs graphed and left eager, for report.notes."""
+    import graphed
+
+    stats = graphed.auto_stats(model)
+    modules = stats["modules"]
+    graphed_names = [n for n, m in modules.items() if m.get("replays", 0) > 0]
+    eager = {f["module"]: f["reason"] for f in stats["fallbacks"]}
+    text = (f"per-block graphs (graphed.auto, the optimizer eager): {len(graphed_names)} of "
+            f"{len(modules)} blocks graphed")
+    if eager:
+        first, reason = next(iter(eager.items()))
+        text += (f"; {len(eager)} run eagerly, e.g. {first or '<root>'}: "
+                 f"{reason.splitlines()[0][:300]}")
+    return text + f". The whole step could not be captured: {why}"
+
+
 def _no_progress(stage: str) -> None:
     return None
 
@@ -514,14 +567,24 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         report.advice = advise_training(model, optimizer, loss_fn, batch, settings=settings,
                                         amp=amp)
         report.check_false_findings = list(report.advice.check_false_findings)
-        report.strategy = _choose(report.advice, force)
+        whole_step_blocked: Optional[str] = None
+        try:
+            report.strategy = _choose(report.advice, force)
+        except _Rejected as rejected:
+            if report.advice.strategy != "fix_blockers":
+                raise
+            # Note [Per-block graphs when the step cannot be captured].
+            whole_step_blocked, report.strategy = str(rejected), "per_block"
         strategy = STRATEGIES[report.strategy]
+        # graphed.auto warms each block up (3 calls) and captures on the next.
+        warm_steps = 4 if report.strategy == "per_block" else 0
+        steps = warm_steps + verify_steps
 
         progress("eager reference")
         reference_model, reference_optimizer = _copies(model, optimizer)
         eager = eager_training_step(reference_model, reference_optimizer, loss_fn, amp)
         rng = RngSnapshot()
-        expected_losses = [eager(batch) for _ in range(verify_steps)]
+        expected_losses = [eager(batch) for _ in range(steps)]
         expected_params = [p.detach().clone() for p in reference_model.parameters()]
         rng.restore()
 
@@ -532,14 +595,14 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         captured = ValueSnapshot(training_state([model], [optimizer], guard_state))
 
         progress("verify")
-        got_losses = [step(batch) for _ in range(verify_steps)]
+        got_losses = [step(batch) for _ in range(steps)]
         got_params = [p.detach().clone() for p in model.parameters()]
         # An adaptive optimizer (Adam) moves a parameter by up to about its
         # learning rate per step however small the gradient, so rounding
         # differences between eager and graphed kernels (TF32, split-K) can
         # move a parameter by up to 2 x lr per step: parameters are compared
         # with that bound, losses with rtol/atol.
-        step_bound = 2.0 * verify_steps * max(float(g["lr"]) for g in optimizer.param_groups)
+        step_bound = 2.0 * steps * max(float(g["lr"]) for g in optimizer.param_groups)
         report.max_abs_diff = max(
             _max_diff(expected_losses, got_losses, rtol, atol, "losses"),
             _max_diff(expected_params, got_params, rtol, max(atol, step_bound), "parameters"))
@@ -556,7 +619,10 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         captured.restore()
         report.applied, report.fn = True, step
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager; "
-                         f"{verify_steps} steps match eager")
+                         f"{steps} steps match eager")
+        if whole_step_blocked is not None:
+            report.notes.append(_per_block_note(step.auto_model, whole_step_blocked))
+            report.reason += f" (the whole step could not be captured: {whole_step_blocked})"
     except Exception as error:  # noqa: BLE001 - every failure is reported, state restored
         _fail(report, error)
         undo()

@@ -677,8 +677,9 @@ struct GpuManager {
     options.check_blockers = false;
     return options;
   }
+  // Rows of 128 KiB, so that the buffers outweigh the pool's 2 MiB segments.
   at::Tensor call(int64_t batch) {
-    const at::Tensor x = at::randn({batch, 64}, at::TensorOptions().device(at::kCUDA));
+    const at::Tensor x = at::randn({batch, 32768}, at::TensorOptions().device(at::kCUDA));
     const at::Tensor y = manager.call(index, call_inputs(x)).toTensor();
     EXPECT_TRUE(at::allclose(y, x * 2 + 1)) << "batch " << batch;
     return y;

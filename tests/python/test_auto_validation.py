@@ -218,3 +218,22 @@ def test_fallback_raise_raises_with_the_reason():
 def test_stats_of_an_unmanaged_model_says_how_to_manage_it():
     with pytest.raises(graphed.GraphedError, match=r"wrap it first: model = graphed.auto\(model\)"):
         graphed.auto_stats(Net())
+
+
+def test_undo_puts_the_model_back_as_it_was():
+    # Note [Undoing graphed.auto]: optimize tries per-block graphs on the
+    # user's model and must leave it as it was when they are not kept.
+    model = Net()
+    own_class, x = type(model), torch.randn(4, 8)
+    expected = model(x)
+    managed = graphed.auto(model)
+    assert managed is model and type(model) is not own_class
+    assert "forward" in vars(model.blocks[0])
+    graphed.auto_undo(model)
+    assert type(model) is own_class
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert not any(name.startswith("_graphed_auto") for name in vars(model))
+    torch.testing.assert_close(model(x), expected)
+    graphed.auto(model)  # and it can be managed again
+    with pytest.raises(_C.GraphedError, match="nothing to undo"):
+        graphed.auto_undo(Net())
