@@ -150,7 +150,8 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int) -> Di
     return row
 
 
-def run(quick: bool = False, models: Optional[List[str]] = None) -> Dict[str, Any]:
+def run(quick: bool = False, models: Optional[List[str]] = None,
+        json_path: Optional[str] = None) -> Dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     iters, repeats, steps = (3, 3, 5) if quick else (10, 5, STEPS)
@@ -172,6 +173,9 @@ def run(quick: bool = False, models: Optional[List[str]] = None) -> Dict[str, An
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         results["models"][name] = record
+        if json_path:  # after every model, so that a run cut short keeps what it measured
+            with open(json_path, "w") as out:
+                json.dump(results, out, indent=2, default=str)
     return results
 
 
@@ -205,7 +209,7 @@ def main() -> int:
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    results = run(args.quick, args.models or None)
+    results = run(args.quick, args.models or None, args.json)
     with open(args.json, "w") as out:
         json.dump(results, out, indent=2, default=str)
     print("\n".join(markdown(results)))

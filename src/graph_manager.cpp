@@ -396,25 +396,17 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
     request.error_mode = options_.error_mode;
     request.input_update = options_.input_update;
     // Note [Bucket graphs share their buffers].
-    std::shared_ptr<const BucketArena> arena;
     const bool bucketed = mode == CallMode::kInference && !target.dims().empty() &&
                           options_.share_bucket_buffers;
-    if (bucketed) {
-      arena = module.arena.lock();
-      if (arena && fits_bucket_arena(request.sample, *arena)) {
-        request.input_arenas = arena->inputs;
-        request.output_arenas = arena->outputs;
-      } else {
-        arena.reset();
-      }
-    }
+    BucketBuffers buffers;
+    if (bucketed) buffers = choose_bucket_buffers(module, request);
     request.description = target.dims().empty()
                               ? module.description
                               : c10::str(module.description, " at ", target.describe());
     try {
       ++depth_;
       const AutocastCacheOff cache_off;  // Note [Autocast's cache while graphed.auto captures]
-      slot->entry = factory(request);
+      slot->entry = bucketed ? capture_in_buckets(factory, request, buffers) : factory(request);
       --depth_;
     } catch (const CaptureError&) {
       --depth_;
@@ -431,16 +423,8 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
       throw;
     }
     bool new_arena = false;
-    if (slot->entry && bucketed) {
-      if (arena) {
-        slot->arena = arena;
-      } else {
-        BucketArena own{slot->entry->static_inputs(), slot->entry->static_outputs()};
-        // An entry that keeps its buffers private has none to share.
-        new_arena = !own.inputs.empty() || !own.outputs.empty();
-        if (new_arena) slot->arena = std::make_shared<const BucketArena>(std::move(own));
-      }
-    }
+    const SharedInputs* replaced_inputs = nullptr;
+    if (slot->entry && bucketed) replaced_inputs = adopt_bucket_buffers(*slot, buffers, new_arena);
     if (slot->entry) {
       ++counters_.captures;
       counters_.capture_ms += slot->entry->capture_ms();
@@ -467,6 +451,7 @@ GraphManager::Slot& GraphManager::capture_slot(Module& module, CallMode mode,
       module.arena = raw->arena;
       rehome_bucket_graphs(module, *raw);
     }
+    rehome_shared_inputs(replaced_inputs, *raw);
     if (!is_wanted) {
       if (raw->entry && !lru_.over_budget(raw->id).empty()) {
         // No room for graphs captured ahead: capture the rest on demand.
@@ -645,6 +630,7 @@ std::optional<c10::IValue> GraphManager::call_locked(Module& module,
   if (!slot->entry) {
     return fall_back(module, slot->failure, inputs, caller_runs_fallbacks);
   }
+  if (slot->arena && slot->arena->inputs_in) order_shared_inputs(*slot->arena->inputs_in);
   c10::IValue out;
   ++depth_;
   try {

@@ -44,18 +44,38 @@ class AutocastCacheOff {
   bool was_enabled_;
 };
 
+// The input buffers of the largest bucket graph of any module, in whose
+// fronts every module's largest bucket graph keeps its input buffers (Note
+// [Bucket graphs share their buffers] in graph_manager_buckets.cpp).
+struct SharedInputs {
+  std::vector<at::Tensor> buffers;
+};
+
 // The static inputs and outputs of a module's largest bucket graph, in whose
-// fronts its other bucket graphs keep theirs (Note [Bucket graphs share
-// their buffers] in graph_manager_buckets.cpp).
+// fronts its other bucket graphs keep theirs (same Note), and the shared
+// inputs its input buffers live in (null: their own memory).
 struct BucketArena {
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> outputs;
+  std::shared_ptr<const SharedInputs> inputs_in;
+};
+
+// Where a bucket graph keeps its buffers: in its module's arena (when it fits
+// there), and in the shared inputs (directly, or through the module's arena).
+struct BucketBuffers {
+  std::shared_ptr<const BucketArena> module_arena;
+  std::shared_ptr<const SharedInputs> shared;
 };
 
 // Whether every tensor of `sample` fits in its counterpart of `arena` (none
 // has more elements): false when a graph at these sizes must have buffers of
 // its own, and becomes the module's arena.
-bool fits_bucket_arena(const std::vector<c10::IValue>& sample, const BucketArena& arena);
+bool fits_bucket_arena(const std::vector<c10::IValue>& sample,
+                       const std::vector<at::Tensor>& arena);
+
+// Whether one of `outputs` shares storage with one of `inputs`.
+bool outputs_alias_inputs(const std::vector<at::Tensor>& outputs,
+                          const std::vector<at::Tensor>& inputs);
 
 struct GraphManager::Slot {
   uint64_t id = 0;

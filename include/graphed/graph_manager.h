@@ -21,6 +21,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <functional>
@@ -33,6 +34,9 @@
 #include <vector>
 
 namespace graphed {
+
+struct SharedInputs;
+struct BucketBuffers;
 
 /// What happens when a module or a call cannot use a graph.
 enum class FallbackPolicy {
@@ -240,6 +244,14 @@ class GraphManager {
                                                   const BucketPlan& plan);
   void evict_inference_slots(Module& module);
   void rehome_bucket_graphs(Module& module, const Slot& keep);
+  void rehome_shared_inputs(const SharedInputs* old, const Slot& keep);
+  BucketBuffers choose_bucket_buffers(Module& module, GraphEntryRequest& request);
+  std::unique_ptr<GraphEntry> capture_in_buckets(const GraphEntryFactory& factory,
+                                                 GraphEntryRequest& request,
+                                                 BucketBuffers& buffers);
+  const SharedInputs* adopt_bucket_buffers(Slot& slot, const BucketBuffers& buffers,
+                                           bool& new_arena);
+  void order_shared_inputs(const SharedInputs& inputs);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
   void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
                             const c10::IValue& output);
@@ -264,6 +276,11 @@ class GraphManager {
   std::unordered_map<uint64_t, Slot*> slots_by_id_;
   LruBudget lru_;
   std::optional<PoolId> pool_;
+  // Note [Bucket graphs share their buffers]: the input buffers every
+  // module's largest bucket graph keeps its own in, and the stream of the
+  // last replay that read them.
+  std::weak_ptr<const SharedInputs> shared_inputs_;
+  std::optional<c10::Stream> shared_inputs_stream_;
   std::shared_ptr<TrainingRecorder> recorder_;
   uint64_t next_slot_id_ = 1;
   int depth_ = 0;

@@ -226,9 +226,9 @@ def _turn_cache_off_in_training(model: nn.Module) -> List[str]:
     python/graphed/train.py): transformers would otherwise hand every layer a
     key/value cache that training never reads and no graph can replay.
     Returns the notes for ``stats()``."""
-    from .train import _forward_parameters
+    from .train import takes_use_cache
 
-    if "use_cache" not in _forward_parameters(model):
+    if not takes_use_cache(model):
         return []
     forward = _eager_forward(model)
 

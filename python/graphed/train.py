@@ -223,11 +223,23 @@ def _forward_parameters(model: nn.Module) -> Dict[str, inspect.Parameter]:
         return {}
 
 
+def takes_use_cache(model: nn.Module) -> bool:
+    """Whether the forward takes ``use_cache``: by name, or through ``**kwargs``
+    of a model whose config has ``use_cache`` (transformers' causal LMs that
+    hand their keyword arguments down to the base model, e.g. granite-moe-hybrid)."""
+    parameters = _forward_parameters(model)
+    if "use_cache" in parameters:
+        return True
+    target = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    has_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return has_kwargs and getattr(getattr(target, "config", None), "use_cache", None) is not None
+
+
 def training_forward_kwargs(model: nn.Module, batch: Any) -> Tuple[Dict[str, Any], List[str]]:
     """Keyword arguments graphed adds to a training forward, and notes saying
     why (see Note [Batch forms]): ``use_cache=False`` where the forward takes
     ``use_cache`` and the batch does not set it."""
-    if "use_cache" not in _forward_parameters(model):
+    if not takes_use_cache(model):
         return {}, []
     if isinstance(batch, dict) and "use_cache" in batch:
         return {}, []
