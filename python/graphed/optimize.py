@@ -5,6 +5,7 @@ and the report says why."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import traceback
@@ -16,6 +17,7 @@ from torch import nn
 
 from . import _C, _progress, measure
 from ._C import GraphedError
+from ._experts import capturable_experts
 from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
                      advise_training, eager_training_step, format_advice)
@@ -368,6 +370,24 @@ def _choose(advice: Advice, force: bool) -> str:
     return strategy
 
 
+class _StepSnapshot:
+    """The values a training step changes, restored in place after verify and
+    measure. An eager optimizer (per-block graphs) creates its state in the
+    first step: its state_dict is restored too, so that state made by the
+    verify steps does not carry over."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 guard_state: Sequence[torch.Tensor], eager_optimizer: bool) -> None:
+        self._values = ValueSnapshot(training_state([model], [optimizer], guard_state))
+        self._optimizer = optimizer
+        self._state = copy.deepcopy(optimizer.state_dict()) if eager_optimizer else None
+
+    def restore(self) -> None:
+        self._values.restore()
+        if self._state is not None:
+            self._optimizer.load_state_dict(copy.deepcopy(self._state))
+
+
 def _per_block_note(model: nn.Module, why: str) -> str:
     """What per-block graphs graphed and left eager, for report.notes."""
     import graphed
@@ -582,6 +602,11 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
 
         progress("eager reference")
         reference_model, reference_optimizer = _copies(model, optimizer)
+        # The reference runs the kernels the graphs will (transformers' experts
+        # on graphed's grouped GEMM where torch's cannot be captured): verify
+        # compares graphs with eager, not one GEMM with another, which routing
+        # to experts would turn into other experts within a few steps.
+        capturable_experts(reference_model)
         eager = eager_training_step(reference_model, reference_optimizer, loss_fn, amp)
         rng = RngSnapshot()
         expected_losses = [eager(batch) for _ in range(steps)]
@@ -592,7 +617,8 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         step, undo = strategy.training(model, optimizer, loss_fn, batch, amp)
         report.notes = list(getattr(step, "notes", []))
         guard_state = step.guard.state() if getattr(step, "guard", None) is not None else []
-        captured = ValueSnapshot(training_state([model], [optimizer], guard_state))
+        captured = _StepSnapshot(model, optimizer, guard_state,
+                                 eager_optimizer=report.strategy == "per_block")
 
         progress("verify")
         got_losses = [step(batch) for _ in range(steps)]

@@ -59,6 +59,16 @@ def _tolerance(setup):
 @pytest.mark.parametrize("name", TRANSFORMERS_MODELS)
 def test_trainstep_trains_like_eager(name, setup):
     entry = _entry(name, setup)
+    if name == "gpt_oss":
+        # transformers builds gpt-oss's eager attention mask with a copy of a
+        # host scalar (masking_utils.eager_mask): the whole step cannot be
+        # captured, and the error says where (optimize then graphs per block,
+        # test_optimize_falls_back_to_per_block_graphs_...).
+        model = copy.deepcopy(entry.model)
+        with pytest.raises(graphed.CaptureError, match="masking_utils.py"):
+            graphed.TrainStep.from_parts(model, entry.make_optimizer(model), None, entry.batch,
+                                         amp="bf16" if setup == "amp_bf16" else None)
+        return
     eager_model = copy.deepcopy(entry.model)
     expected = _losses(eager_model, entry, setup)
     model = copy.deepcopy(entry.model)
