@@ -32,6 +32,8 @@
 
 #include "fp8_kernels.h"
 
+#include "float_conversions.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -48,21 +50,6 @@ constexpr int kVector = 8;  // elements per vectorized load
 constexpr int kTile = 64;   // the transposing cast's square tile
 constexpr int kTilePitch = kTile + 4;
 constexpr int64_t kMaxBlocks = 4096;
-
-template <typename T>
-__device__ __forceinline__ float to_float(T value);
-template <>
-__device__ __forceinline__ float to_float<float>(float value) {
-  return value;
-}
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 value) {
-  return __bfloat162float(value);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half value) {
-  return __half2float(value);
-}
 
 template <typename T>
 struct alignas(16) Chunk {
