@@ -92,7 +92,13 @@ def auto(
             (graphed_auto vs graphed_auto_repoint).
 
     Outputs of a replay are the graph's buffers, valid until the module's
-    next call (clone them to keep them longer).
+    next call at any bucket (clone them to keep them longer). The modules'
+    inference graphs share one memory pool, in which a graph works in memory
+    that graphs captured before it freed (torch's rule for shared pools): a
+    module called out of the order the graphs were captured in (an earlier
+    layer again at another size) can overwrite the outputs of later modules.
+    A model's forward reads every output before that happens; keep a block's
+    output across such calls only as a clone.
 
     Training calls (grad mode on and an input or parameter requiring grad)
     replay a forward graph whose outputs carry one autograd node that replays
