@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import json
 import os
@@ -34,6 +33,7 @@ from graphed._experts import capturable_experts  # noqa: E402
 from graphed.train import batch_loss  # noqa: E402
 
 import zoo_modern_models  # noqa: E402
+from zoo import _fresh, _losses, _max_rel as _rel  # noqa: E402 - the dense zoo's helpers
 
 #: Steps whose losses are compared with eager's (the issue asks for 20).
 STEPS = 20
@@ -54,20 +54,6 @@ def _eager_step(model, optimizer, setup: str) -> Callable[[Any], torch.Tensor]:
         optimizer.step()
         return loss.detach()
     return step
-
-
-def _fresh(entry, base_state):
-    model = copy.deepcopy(entry.model)
-    model.load_state_dict(base_state)
-    return model, entry.make_optimizer(model)
-
-
-def _losses(step, batch, count: int) -> List[float]:
-    return [float(step(batch)) for _ in range(count)]
-
-
-def _rel(a: List[float], b: List[float]) -> float:
-    return max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b))
 
 
 def _graphed_parts(stats: Dict[str, Any]) -> Dict[str, Any]:

@@ -200,10 +200,10 @@ void GraphManager::order_shared_inputs(const SharedInputs& inputs) {
   // the last one that read the shared inputs waits for that stream first.
   if (inputs.buffers.empty() || !inputs.buffers.front().is_cuda()) return;
   const c10::DeviceIndex device = inputs.buffers.front().device().index();
-  const c10::cuda::CUDAGuard on_device(device);
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
   if (shared_inputs_stream_ && *shared_inputs_stream_ != current.unwrap() &&
       shared_inputs_stream_->device() == current.device()) {
+    const c10::cuda::CUDAGuard on_device(device);  // the event is made on that device
     stream_wait(current.stream(), c10::cuda::CUDAStream(*shared_inputs_stream_).stream());
   }
   shared_inputs_stream_ = current.unwrap();
