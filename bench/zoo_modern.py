@@ -56,20 +56,26 @@ def _eager_step(model, optimizer, setup: str) -> Callable[[Any], torch.Tensor]:
     return step
 
 
+def _kind(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name) or "<root>"
+
+
 def _graphed_parts(stats: Dict[str, Any]) -> Dict[str, Any]:
     """Per module class: how many modules auto graphed and how many run their
-    own forward (with the first reason)."""
+    own forward (with the first reason); for those that cannot be captured,
+    the parts graphed in their place and those left eager (with why)."""
     parts: Dict[str, Any] = {}
     reasons = {f["module"]: f["reason"] for f in stats["fallbacks"]}
     for name, module in stats["modules"].items():
-        kind = re.sub(r"\.\d+(?=\.|$)", ".*", name) or "<root>"
-        entry = parts.setdefault(kind, {"graphed": 0, "eager": 0})
+        entry = parts.setdefault(_kind(name), {"graphed": 0, "eager": 0})
         if module.get("replays", 0) > 0:
             entry["graphed"] += 1
         else:
             entry["eager"] += 1
             if name in reasons and "why_eager" not in entry:
                 entry["why_eager"] = reasons[name][:300]
+        if "part_of" in module:
+            entry["part_of"] = _kind(module["part_of"])
     return parts
 
 

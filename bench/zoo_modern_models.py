@@ -139,21 +139,32 @@ class HandwrittenMoE(nn.Module):
         return out.reshape(shape)
 
 
-class HandwrittenBlock(nn.Module):
+class HandwrittenAttention(nn.Module):
+    """Causal self-attention as research code writes it (nanoGPT's)."""
+
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
-        self.moe = HandwrittenMoE(width)
         self.heads = heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return self.proj(attn.transpose(1, 2).reshape(b, t, d))
+
+
+class HandwrittenBlock(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = HandwrittenAttention(width, heads)
+        self.moe = HandwrittenMoE(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
         return x + self.moe(self.norm2(x))
 
 

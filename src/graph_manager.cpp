@@ -250,6 +250,23 @@ c10::IValue GraphManager::run_warmup(Module& module, const std::vector<c10::IVal
   return output;
 }
 
+bool GraphManager::shapes_changed(Module& module, const std::vector<c10::IValue>& inputs,
+                                  CallMode mode) {
+  // See ModuleSpec::steady_shapes and Note [Graphing the parts of a block].
+  CallKey key = key_of(inputs, BucketPlan(), mode);
+  if (!module.warmup_key) {
+    module.warmup_key = std::move(key);
+    return false;
+  }
+  if (*module.warmup_key == key) return false;
+  module.blocked = c10::str(
+      "its calls come at different shapes from call to call (data-dependent sizes, such as "
+      "the tokens routed to one expert), so each would need a graph of its own; it runs "
+      "eagerly as a part of ", module.spec.part_of.empty() ? "its block" : module.spec.part_of,
+      ", whose other parts stay graphed");
+  return true;
+}
+
 GraphManager::Slot* GraphManager::find_slot(Module& module, CallMode mode, const BucketPlan& plan,
                                             const std::vector<c10::IValue>& inputs) {
   if (module.slots.empty()) return nullptr;
@@ -554,6 +571,9 @@ std::optional<c10::IValue> GraphManager::call_locked(Module& module,
     restart_warmup(module);
   }
   if (module.warmup_calls < options_.warmup) {
+    if (module.spec.steady_shapes && shapes_changed(module, inputs, mode)) {
+      return fall_back(module, *module.blocked, inputs, caller_runs_fallbacks);
+    }
     ++module.warmup_calls;
     const bool last = module.warmup_calls == options_.warmup;
     if (last && follows_tensors) {
@@ -677,6 +697,7 @@ GraphManagerStats GraphManager::stats() const {
                                                            : "graphed";
     stats.calls = module->calls;
     stats.replays = module->replays;
+    stats.part_of = module->spec.part_of;
     if (!module->blocked && module->replays > 0) {
       for (const std::string& finding : module->unconfirmed_findings) {
         out.check_false_findings.push_back(FallbackStats{module->spec.name, finding, 1});

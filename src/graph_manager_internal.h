@@ -132,6 +132,8 @@ struct GraphManager::Module {
   // repeating it build no message (Note [A fallback costs nothing]).
   std::optional<BucketMiss> last_miss;
   std::string last_miss_reason;
+  // The key of its first warm-up call (ModuleSpec::steady_shapes).
+  std::optional<CallKey> warmup_key;
   // Where its last fallback reason is counted in GraphManagerStats::fallbacks.
   std::optional<size_t> last_fallback;
 };

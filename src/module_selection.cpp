@@ -25,7 +25,57 @@ std::string parent_of(const std::string& name) {
 
 std::string shown(const std::string& name) { return name.empty() ? "<root>" : name; }
 
+// torch.nn layers that run one operation (or one fused kernel): see Note
+// [Graphing the parts of a block]. HF GPT-2's Conv1D is a Linear.
+bool is_single_operation_layer(const ModuleInfo& module) {
+  static const char* const kSingle[] = {
+      "Linear", "NonDynamicallyQuantizableLinear", "Conv1D", "Embedding", "EmbeddingBag",
+      "LayerNorm", "GroupNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+      "InstanceNorm1d", "InstanceNorm2d", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
+      "ConvTranspose2d", "Dropout", "Identity"};
+  for (const char* name : kSingle) {
+    if (module.type == name) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+std::vector<std::string> parts_to_graph(const std::string& blocked,
+                                        const std::vector<ModuleInfo>& modules) {
+  std::unordered_map<std::string, size_t> index_of;
+  for (size_t i = 0; i < modules.size(); ++i) index_of[modules[i].name] = i;
+  GRAPHED_CHECK(index_of.count(blocked) != 0, "Expected '", shown(blocked),
+                "' to be a module of the model, but named_modules() has no such name.");
+  std::unordered_map<std::string, bool> has_children;
+  for (const ModuleInfo& module : modules) {
+    if (!module.name.empty()) has_children[parent_of(module.name)] = true;
+  }
+  // Children of `parent`, a container's elements standing for the container.
+  std::vector<std::string> parts;
+  std::vector<std::string> pending{blocked};
+  while (!pending.empty()) {
+    const std::string parent = pending.back();
+    pending.pop_back();
+    for (const ModuleInfo& module : modules) {
+      if (module.name.empty() || module.name == parent || parent_of(module.name) != parent) {
+        continue;
+      }
+      // A ModuleList or ModuleDict has no forward: its elements are called.
+      // A Sequential has one, and is a part like any other.
+      if (module.is_container && module.type != "Sequential") {
+        pending.push_back(module.name);
+      } else if (module.parameters > 0 &&
+                 !(is_single_operation_layer(module) && !has_children[module.name])) {
+        parts.push_back(module.name);
+      }
+    }
+  }
+  std::sort(parts.begin(), parts.end(), [&](const std::string& a, const std::string& b) {
+    return index_of[a] < index_of[b];
+  });
+  return parts;
+}
 
 std::vector<std::string> select_repeated_blocks(const std::vector<ModuleInfo>& modules) {
   struct Group {

@@ -78,6 +78,14 @@ struct ModuleSpec {
   std::function<std::vector<at::Tensor>()> read_parameters;
   /// See read_parameters.
   std::function<std::vector<at::Tensor>()> read_buffers;
+  /// The managed module this one is a part of, graphed because that one
+  /// cannot be (Note [Graphing the parts of a block] in module_selection.h);
+  /// empty for a module chosen directly.
+  std::string part_of;
+  /// Fall back for good when two warm-up calls come at different shapes
+  /// (an expert fed a different token count every call) instead of
+  /// capturing a graph per shape; set for parts (see part_of).
+  bool steady_shapes = false;
 };
 
 /// What a GraphEntryFactory is asked to capture.

@@ -110,6 +110,8 @@ struct ModuleStats {
   int64_t replays = 0;
   /// Live graphs.
   int64_t graphs = 0;
+  /// ModuleSpec::part_of: the module this one is graphed in place of.
+  std::string part_of;
 };
 
 /// Calls of one module that fell back to eager for one reason.
@@ -253,6 +255,7 @@ class GraphManager {
                                            bool& new_arena);
   void order_shared_inputs(const SharedInputs& inputs);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
+  bool shapes_changed(Module& module, const std::vector<c10::IValue>& inputs, CallMode mode);
   void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
                             const c10::IValue& output);
   void capture_training_group(Module& trigger);

@@ -49,6 +49,37 @@ struct ModuleInfo {
 /// `modules` lists every module in named_modules() order.
 std::vector<std::string> select_repeated_blocks(const std::vector<ModuleInfo>& modules);
 
+/// The parts of module `blocked` that graphed.auto graphs when `blocked`
+/// itself cannot be captured: see Note [Graphing the parts of a block].
+/// `modules` lists every module in named_modules() order; returns names in
+/// that order. Throws graphed::Error when `blocked` is not among them.
+///
+/// Note [Graphing the parts of a block]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// One operation that cannot be captured (a nonzero, a host read, a copy
+/// from pageable memory) sends a whole block back to eager, attention and
+/// all. Megatron's answer for mixture-of-experts layers is to graph what can
+/// be graphed inside the layer (attention, router) and leave the token
+/// dispatch eager; graphed.auto does the same at module granularity, on
+/// demand: once a managed module falls back for good, its children are
+/// managed in its place, each warmed up, checked and captured on its own
+/// (training graphs of the parts captured together as one more training
+/// group), and a part that cannot be captured either is descended into in
+/// turn. The children taken are those worth a graph: the elements of a
+/// ModuleList or ModuleDict child (a list of experts) stand for it; a child without
+/// parameters (an activation, a dropout, a rotary table) and a leaf that is
+/// one torch operation (Linear, Embedding, the torch norms, convolutions)
+/// are left out, because a graph of one kernel replays no faster than the
+/// kernel launches, while its copies in and out cost more. Parts are also
+/// managed with steady shapes only (ModuleSpec::steady_shapes): an expert
+/// whose token count changes from call to call would need a graph per
+/// count, so a part whose warm-up calls come at different shapes stays
+/// eager, with that reason in stats(). Operations of the block outside any
+/// part (the dispatch loop, the functional attention of a hand-written block)
+/// run eagerly between the parts' replays.
+std::vector<std::string> parts_to_graph(const std::string& blocked,
+                                        const std::vector<ModuleInfo>& modules);
+
 /// Checks a user's choice of modules: every name exists in `modules` and no
 /// chosen module contains another. Throws graphed::Error naming the problem
 /// and the fix.

@@ -8,6 +8,7 @@ and formats ``stats()``.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -100,6 +101,16 @@ def auto(
     A model's forward reads every output before that happens; keep a block's
     output across such calls only as a clone.
 
+    A module that can never use a graph (a capture blocker, a failed
+    capture) runs its own forward again, and its parts are managed in its
+    place: children worth a graph (an attention, a router, a dense MLP; not
+    one Linear or norm), each warmed up, checked and captured alone, while
+    the code between them runs eagerly; a part that cannot be captured is
+    descended into in turn, and a part whose calls change shape (an expert's
+    tokens) stays eager. ``stats()["parts"]`` shows, per such module, what
+    is graphed and what runs eagerly, with why (Note [Graphing the parts of
+    a block] in include/graphed/module_selection.h).
+
     Training calls (grad mode on and an input or parameter requiring grad)
     replay a forward graph whose outputs carry one autograd node that replays
     the backward graph, as with ``graphed.make_graphed_callables``. The last
@@ -141,13 +152,15 @@ def auto(
                           if buckets and not pick_buckets else None),
     )
     own_forwards: List[str] = []
-    # What undo() puts back: Note [Undoing graphed.auto].
-    previous_forwards = [(model.get_submodule(name), model.get_submodule(name).__dict__.get(
-        "forward")) for name in names if name]
+    # What undo() puts back: Note [Undoing graphed.auto]. Parts of blocks
+    # that cannot be captured join it as they are managed.
+    previous_forwards: List[tuple] = []
     previous_model_forward = model.__dict__.get("forward")
     previous_class = type(model)
-    for name in names:
-        module = model.get_submodule(name)
+    managed = set()
+
+    def manage(name: str, part_of: str = "") -> None:
+        module = model_ref().get_submodule(name)
         submodules = list(module.modules())
         index = manager.add_module(
             name,
@@ -158,15 +171,34 @@ def auto(
             # Read on every call: Note [Modules whose tensors moved].
             [m._parameters for m in submodules],
             [m._buffers for m in submodules],
+            part_of=part_of,
         )
-        module.forward = _managed_forward(manager, index, module, name, own_forwards)
+        managed.add(name)
+        previous_forwards.append((module, module.__dict__.get("forward")))
+        module.forward = _managed_forward(manager, index, module, name, own_forwards,
+                                          graph_parts)
+
+    def graph_parts(blocked: str) -> None:
+        """Note [Graphing the parts of a block] in include/graphed/module_selection.h."""
+        tensors = itertools.chain(model_ref().get_submodule(blocked).parameters(),
+                                  model_ref().get_submodule(blocked).buffers())
+        if not any(t.is_cuda for t in tensors):
+            return  # off the GPU nothing is captured: its parts would fail alike
+        parts = [p for p in _C.parts_to_graph(blocked, infos) if p not in managed]
+        for part in parts:
+            manage(part, part_of=blocked)
+        if parts:
+            logger.info("auto: graphing the parts of %s instead: %s", blocked or "<root>",
+                        ", ".join(parts))
+
+    model_ref = weakref.ref(model)  # the model holds undo() and the forwards: no cycle back
+    for name in names:
+        manage(name)
     object.__setattr__(model, _MANAGER_ATTRIBUTE, manager)
     object.__setattr__(model, _OWN_FORWARDS_ATTRIBUTE, own_forwards)
     experts_before = _experts_implementations(model)
     notes = capturable_experts(model) + _turn_cache_off_in_training(model)
     object.__setattr__(model, _NOTES_ATTRIBUTE, notes)
-
-    model_ref = weakref.ref(model)  # the model holds undo(): no cycle back to it
 
     def undo() -> None:
         target = model_ref()
@@ -262,8 +294,11 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     the recorded call ``order``, per-module counters, every fallback with
     its reason and count, the ``training_groups`` captured together,
     ``check_false_findings`` (what graphed.check found inside installed
-    packages that the capture never met) and ``notes`` (what graphed changed:
-    ``use_cache=False`` in training calls of a transformers model)."""
+    packages that the capture never met), ``notes`` (what graphed changed:
+    ``use_cache=False`` in training calls of a transformers model) and
+    ``parts``: per module that cannot be captured, the parts graphed in its
+    place (``graphed``), those that run eagerly with why (``eager``), and why
+    the module itself could not be (Note [Graphing the parts of a block])."""
     manager = getattr(model, _MANAGER_ATTRIBUTE, None)
     if manager is None:
         raise _C.GraphedError(
@@ -273,16 +308,40 @@ def stats(model: nn.Module) -> Dict[str, Any]:
     result["notes"] = list(getattr(model, _NOTES_ATTRIBUTE, [])) + result.pop("manager_notes")
     for name in getattr(model, _OWN_FORWARDS_ATTRIBUTE, []):
         result["modules"][name]["own_forward"] = True
+    result["parts"] = _parts(result)
     return result
 
 
+def _parts(result: Dict[str, Any]) -> Dict[str, Any]:
+    """Per module that could not be captured and whose parts are managed in
+    its place: why it runs eagerly, its parts that replay graphs, and those
+    that run eagerly too, each with its reason (the first one counted)."""
+    reasons: Dict[str, str] = {}
+    for fallback in result["fallbacks"]:
+        reasons.setdefault(fallback["module"], fallback["reason"])
+    parts: Dict[str, Any] = {}
+    for name, module in result["modules"].items():
+        block = module.get("part_of")
+        if block is None:
+            continue
+        entry = parts.setdefault(block, {
+            "eager_because": reasons.get(block, ""), "graphed": [], "eager": {},
+            "outside_parts": "eager: the block's own code between its parts"})
+        if module["replays"] > 0:
+            entry["graphed"].append(name)
+        else:
+            entry["eager"][name] = reasons.get(name, f"no replay yet ({module['state']})")
+    return parts
+
+
 def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module, name: str,
-                     own_forwards: List[str]):
+                     own_forwards: List[str], graph_parts: Callable[[str], None]):
     """The forward graphed.auto installs. A call the core sends back
     (``_C.RUN_EAGER``: it fell back, and was counted) runs the module's own
     forward on the objects at hand; once the module can never use a graph,
     its own forward goes back in place, so that its calls run no graphed code
-    at all (Note [A fallback costs nothing] in src/graph_manager.cpp)."""
+    at all (Note [A fallback costs nothing] in src/graph_manager.cpp), and
+    its parts are managed in its place (``graph_parts``)."""
     previous = module.__dict__.get("forward")  # an instance forward of the user's, if any
     own = previous if previous is not None else type(module).forward.__get__(module)
     run_eager, run_own_forward = _C.RUN_EAGER, _C.RUN_OWN_FORWARD
@@ -300,6 +359,7 @@ def _managed_forward(manager: "_C.GraphManager", index: int, module: nn.Module, 
                 own_forwards.append(name)
                 logger.info("auto: %s can never use a graph; it runs its own forward again "
                             "(stats()['fallbacks'] has why)", name or "<root>")
+                graph_parts(name)
             return own(*args, **kwargs)
         return out
 

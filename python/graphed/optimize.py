@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -164,7 +165,9 @@ STRATEGIES: Dict[str, _Strategy] = {
 # forward), verifies it against eager like any strategy after the warm-up
 # steps auto needs, and keeps it only if it is faster. report.strategy is
 # "per_block", report.reason says why the whole step could not be captured,
-# and report.graphed_parts says what auto graphed. graphed.auto_undo puts the
+# report.notes what auto graphed, and report.parts, per block that cannot be
+# captured either, the parts graphed in its place (Note [Graphing the parts
+# of a block] in include/graphed/module_selection.h). graphed.auto_undo puts the
 # model back when it is not kept (Note [Undoing graphed.auto]).
 
 
@@ -195,6 +198,10 @@ class OptimizeReport:
     check_false_findings: List[Dict[str, Any]] = field(default_factory=list)
     #: What graphed changed to apply graphs (e.g. use_cache=False for training).
     notes: List[str] = field(default_factory=list)
+    #: per_block only: per module that cannot be captured, the parts graphed
+    #: in its place and those that run eagerly, with why (graphed.auto's
+    #: ``stats()["parts"]``, Note [Graphing the parts of a block]).
+    parts: Dict[str, Any] = field(default_factory=dict)
     fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
     graphed_trace: Optional[Dict[str, Any]] = field(default=None, repr=False)
 
@@ -231,6 +238,7 @@ class OptimizeReport:
             "max_abs_diff": self.max_abs_diff, "rtol": self.rtol, "atol": self.atol,
             "verify_steps": self.verify_steps,
             "check_false_findings": self.check_false_findings, "notes": self.notes,
+            "parts": self.parts,
             "advice": self.advice.to_dict() if self.advice is not None else None,
         }
 
@@ -388,21 +396,37 @@ class _StepSnapshot:
             self._optimizer.load_state_dict(copy.deepcopy(self._state))
 
 
-def _per_block_note(model: nn.Module, why: str) -> str:
-    """What per-block graphs graphed and left eager, for report.notes."""
+def _per_block_note(model: nn.Module, why: str) -> Tuple[str, Dict[str, Any]]:
+    """What per-block graphs graphed and left eager, for report.notes, and
+    auto's ``stats()["parts"]`` for report.parts."""
     import graphed
 
     stats = graphed.auto_stats(model)
-    modules = stats["modules"]
-    graphed_names = [n for n, m in modules.items() if m.get("replays", 0) > 0]
-    eager = {f["module"]: f["reason"] for f in stats["fallbacks"]}
+    blocks = {n: m for n, m in stats["modules"].items() if "part_of" not in m}
+    graphed_names = [n for n, m in blocks.items() if m.get("replays", 0) > 0]
+    eager = {f["module"]: f["reason"] for f in stats["fallbacks"] if f["module"] in blocks}
     text = (f"per-block graphs (graphed.auto, the optimizer eager): {len(graphed_names)} of "
-            f"{len(modules)} blocks graphed")
+            f"{len(blocks)} blocks graphed")
     if eager:
         first, reason = next(iter(eager.items()))
         text += (f"; {len(eager)} run eagerly, e.g. {first or '<root>'}: "
                  f"{reason.splitlines()[0][:300]}")
-    return text + f". The whole step could not be captured: {why}"
+    parts = stats["parts"]
+    if parts:
+        graphed_parts = sorted({_kind(n) for p in parts.values() for n in p["graphed"]})
+        eager_parts = {_kind(n): r for p in parts.values() for n, r in p["eager"].items()}
+        text += (f"; in place of {len(parts)} module(s) that cannot be captured, their parts: "
+                 f"graphed {', '.join(graphed_parts) or 'none'}")
+        if eager_parts:
+            kind, reason = next(iter(eager_parts.items()))
+            text += (f"; eager {', '.join(eager_parts)} (e.g. {kind}: "
+                     f"{reason.splitlines()[0][:200]}) and the code between the parts")
+    return text + f". The whole step could not be captured: {why}", parts
+
+
+def _kind(name: str) -> str:
+    """``blocks.3.attn`` -> ``blocks.*.attn``: one entry per repeated part."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
 def _no_progress(stage: str) -> None:
@@ -596,8 +620,10 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
             # Note [Per-block graphs when the step cannot be captured].
             whole_step_blocked, report.strategy = str(rejected), "per_block"
         strategy = STRATEGIES[report.strategy]
-        # graphed.auto warms each block up (3 calls) and captures on the next.
-        warm_steps = 4 if report.strategy == "per_block" else 0
+        # graphed.auto warms each block up (3 calls) and captures on the next;
+        # the parts of a block that cannot be captured take as long again, per
+        # level (Note [Graphing the parts of a block]): three levels here.
+        warm_steps = 12 if report.strategy == "per_block" else 0
         steps = warm_steps + verify_steps
 
         progress("eager reference")
@@ -647,7 +673,8 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager; "
                          f"{steps} steps match eager")
         if whole_step_blocked is not None:
-            report.notes.append(_per_block_note(step.auto_model, whole_step_blocked))
+            note, report.parts = _per_block_note(step.auto_model, whole_step_blocked)
+            report.notes.append(note)
             report.reason += f" (the whole step could not be captured: {whole_step_blocked})"
     except Exception as error:  # noqa: BLE001 - every failure is reported, state restored
         _fail(report, error)

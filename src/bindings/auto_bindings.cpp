@@ -82,6 +82,7 @@ py::dict stats_to_python(const GraphManagerStats& stats) {
     entry["calls"] = module.calls;
     entry["replays"] = module.replays;
     entry["graphs"] = module.graphs;
+    if (!module.part_of.empty()) entry["part_of"] = module.part_of;
     modules[py::str(module.name)] = entry;
   }
   out["modules"] = modules;
@@ -131,6 +132,14 @@ void register_auto(py::module_& m) {
       py::arg("modules"),
       "Names of the largest repeated blocks among (name, type, parameters, is_container, bases).");
   m.def(
+      "parts_to_graph",
+      [](const std::string& blocked, const std::vector<ModuleTuple>& modules) {
+        return parts_to_graph(blocked, infos_from_python(modules));
+      },
+      py::arg("blocked"), py::arg("modules"),
+      "The parts of a module that cannot be captured which graphed.auto graphs in its place "
+      "(Note [Graphing the parts of a block]).");
+  m.def(
       "validate_module_selection",
       [](const std::vector<std::string>& chosen,
          const std::vector<ModuleTuple>& modules) {
@@ -155,8 +164,11 @@ void register_auto(py::module_& m) {
           "add_module",
           [](GraphManager& self, std::string name, std::string type, py::object forward,
              std::vector<at::Tensor> state, std::vector<at::Tensor> parameters,
-             const py::object& parameter_dicts, const py::object& buffer_dicts) {
+             const py::object& parameter_dicts, const py::object& buffer_dicts,
+             std::string part_of) {
             ModuleSpec spec;
+            spec.steady_shapes = !part_of.empty();
+            spec.part_of = std::move(part_of);
             spec.name = std::move(name);
             spec.type = std::move(type);
             spec.forward = wrap_call(std::move(forward));
@@ -170,7 +182,7 @@ void register_auto(py::module_& m) {
           },
           py::arg("name"), py::arg("type"), py::arg("forward"), py::arg("state"),
           py::arg("parameters"), py::arg("parameter_dicts") = py::none(),
-          py::arg("buffer_dicts") = py::none())
+          py::arg("buffer_dicts") = py::none(), py::arg("part_of") = "")
       .def(
           "call",
           [run_eager, run_own_forward](GraphManager& self, size_t index, const py::tuple& args,

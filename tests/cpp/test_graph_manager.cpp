@@ -391,6 +391,35 @@ TEST_F(ManagerFixture, TryCallLeavesFallbacksToTheCallerAndSaysWhenBlocked) {
   EXPECT_TRUE(manager.blocked(m));
 }
 
+TEST_F(ManagerFixture, APartWhoseWarmupShapesChangeStaysEagerWithWhy) {
+  // ModuleSpec::steady_shapes: Note [Graphing the parts of a block].
+  GraphManagerOptions options;
+  options.warmup = 2;
+  GraphManager manager = make(options);
+  ModuleSpec expert = doubling_module("moe.experts.0", &eager_runs);
+  expert.part_of = "moe";
+  expert.steady_shapes = true;
+  const size_t e = manager.add_module(std::move(expert));
+  ModuleSpec attention = doubling_module("attn", &eager_runs);
+  attention.part_of = "block";
+  attention.steady_shapes = true;
+  const size_t a = manager.add_module(std::move(attention));
+  for (int64_t tokens : {5, 3, 7}) {
+    (void)manager.call(e, call_inputs(at::ones({tokens, 2})));
+    (void)manager.call(a, call_inputs(at::ones({4, 2})));
+  }
+  EXPECT_TRUE(manager.blocked(e));
+  EXPECT_FALSE(manager.blocked(a));
+  EXPECT_EQ(journal.captured.size(), 1u);  // the attention only
+  const GraphManagerStats stats = manager.stats();
+  ASSERT_EQ(stats.fallbacks.size(), 1u);
+  EXPECT_EQ(stats.fallbacks[0].module, "moe.experts.0");
+  EXPECT_NE(stats.fallbacks[0].reason.find("different shapes"), std::string::npos);
+  EXPECT_NE(stats.fallbacks[0].reason.find("part of moe"), std::string::npos);
+  EXPECT_EQ(stats.modules[0].part_of, "moe");
+  EXPECT_EQ(stats.modules[1].state, "graphed");
+}
+
 TEST_F(ManagerFixture, UncoveredSizeFallsBackWithTheFix) {
   GraphManagerOptions options;
   options.warmup = 1;

@@ -77,6 +77,54 @@ TEST(SelectRepeatedBlocks, WithoutRepeatsTakesTheWholeModel) {
   EXPECT_EQ(select_repeated_blocks(modules), (std::vector<std::string>{""}));
 }
 
+std::vector<ModuleInfo> moe_block_modules() {
+  // A block with its attention as a module, norms, and a mixture-of-experts
+  // layer: a router Linear and a ModuleList of MLP experts.
+  std::vector<ModuleInfo> modules{{"", "LM", 0, false},
+                                  {"blocks", "ModuleList", 0, true},
+                                  {"blocks.0", "Block", 900, false},
+                                  {"blocks.0.norm1", "LayerNorm", 2, false},
+                                  {"blocks.0.attn", "Attention", 400, false},
+                                  {"blocks.0.attn.qkv", "Linear", 300, false},
+                                  {"blocks.0.attn.proj", "Linear", 100, false},
+                                  {"blocks.0.attn.rotary", "Rotary", 0, false},
+                                  {"blocks.0.act", "GELU", 0, false},
+                                  {"blocks.0.moe", "MoE", 500, false},
+                                  {"blocks.0.moe.router", "Linear", 20, false},
+                                  {"blocks.0.moe.experts", "ModuleList", 480, true}};
+  for (int e = 0; e < 2; ++e) {
+    const std::string expert = c10::str("blocks.0.moe.experts.", e);
+    modules.push_back({expert, "Sequential", 240, true});
+    modules.push_back({expert + ".0", "Linear", 120, false});
+    modules.push_back({expert + ".1", "GELU", 0, false});
+    modules.push_back({expert + ".2", "Linear", 120, false});
+  }
+  modules.push_back({"blocks.0.moe.gate", "TopKRouter", 20, false});
+  return modules;
+}
+
+TEST(PartsToGraph, TakesChildrenWorthAGraphNotOneOperationLayers) {
+  // Norm and router Linear are one operation each; the activation has no
+  // parameters; a leaf of the model's own class (a router) is a part.
+  EXPECT_EQ(parts_to_graph("blocks.0", moe_block_modules()),
+            (std::vector<std::string>{"blocks.0.attn", "blocks.0.moe"}));
+}
+
+TEST(PartsToGraph, TakesTheElementsOfAModuleListAndKeepsASequentialWhole) {
+  EXPECT_EQ(parts_to_graph("blocks.0.moe", moe_block_modules()),
+            (std::vector<std::string>{"blocks.0.moe.experts.0", "blocks.0.moe.experts.1",
+                                      "blocks.0.moe.gate"}));
+}
+
+TEST(PartsToGraph, FindsNothingInsideAnMlpOfSingleOperations) {
+  EXPECT_TRUE(parts_to_graph("blocks.0.moe.experts.0", moe_block_modules()).empty());
+  EXPECT_TRUE(parts_to_graph("blocks.0.attn", moe_block_modules()).empty());
+}
+
+TEST(PartsToGraph, RejectsAnUnknownModule) {
+  EXPECT_THROW_WITH(parts_to_graph("blocks.7", moe_block_modules()), Error, "named_modules()");
+}
+
 TEST(ValidateModuleSelection, NamesTheProblem) {
   const std::vector<ModuleInfo> modules = gpt_modules(2);
   EXPECT_NO_THROW(validate_module_selection({"blocks.0", "blocks.1"}, modules));
