@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import graphed  # noqa: E402
 from graphed import measure  # noqa: E402
 from graphed._experts import capturable_experts  # noqa: E402
-from graphed.train import batch_loss  # noqa: E402
+from graphed.train import batch_loss, training_iteration  # noqa: E402
 
 import zoo_modern_models  # noqa: E402
 from zoo import _fresh, _losses, _max_rel as _rel  # noqa: E402 - the dense zoo's helpers
@@ -54,6 +54,41 @@ def _eager_step(model, optimizer, setup: str) -> Callable[[Any], torch.Tensor]:
         optimizer.step()
         return loss.detach()
     return step
+
+
+def _torch_graph_losses(entry, base_state, batch, amp: Optional[str], steps: int) -> List[float]:
+    """The losses of graphed's training iteration (the eager step TrainStep
+    captures, which matches eager exactly) captured by ``torch.cuda.graph``
+    alone, no graphed code in the capture or the replays: what CUDA graph
+    capture itself changes against eager. Where TrainStep equals this and
+    both differ from eager, the difference is the capture's, not graphed's
+    (kernels that round differently when captured; routing to experts
+    amplifies a last-bit difference within steps)."""
+    model, optimizer = _fresh(entry, base_state)
+    capturable_experts(model)
+    iteration, _ = training_iteration(model, optimizer, None, batch, amp=amp)
+    saved = [p.detach().clone() for p in model.parameters()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        iteration(batch)  # the warm-up torch.cuda.graph asks for
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.no_grad():  # undo it: AdamW's capturable state starts at zeros
+        for p, value in zip(model.parameters(), saved):
+            p.copy_(value)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = iteration(batch)
+    losses = []
+    for _ in range(steps):
+        graph.replay()
+        losses.append(float(loss))
+    del graph
+    return losses
 
 
 def _kind(name: str) -> str:
@@ -111,12 +146,18 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int) -> Di
     try:
         trainstep = graphed.TrainStep.from_parts(model_ts, optimizer_ts, None, batch, amp=amp)
         row["trainstep_notes"] = trainstep.notes
-        losses = _losses(trainstep, batch, steps)
+        losses = trainstep_losses = _losses(trainstep, batch, steps)
         diffs["trainstep"] = _rel(eager_losses, losses)
         same_diffs["trainstep"] = _rel(same_losses, losses)
         runs["trainstep"] = lambda: trainstep(batch)
     except Exception as error:  # noqa: BLE001 - a step TrainStep cannot capture is a result
         row["trainstep_error"] = f"{type(error).__name__}: {error}"[:1500]
+    if "trainstep" in diffs:
+        torch.cuda.set_rng_state(rng)
+        torch_graph = _torch_graph_losses(entry, base_state, batch, amp, steps)
+        row["loss_rel_diffs_torch_graph"] = {
+            "trainstep_vs_torch_graph": float(f"{_rel(torch_graph, trainstep_losses):.3g}"),
+            "torch_graph_vs_eager_same_kernels": float(f"{_rel(same_losses, torch_graph):.3g}")}
 
     torch.cuda.set_rng_state(rng)
     model_auto, optimizer_auto = _fresh(entry, base_state)
@@ -201,7 +242,8 @@ def run(quick: bool = False, models: Optional[List[str]] = None,
 def markdown(result: Dict[str, Any]) -> List[str]:
     lines = ["### zoo_modern\n",
              "| model | setup | eager ms | TrainStep | optimize | auto | auto fallbacks "
-             "| loss rel diff | same kernels |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+             "| loss rel diff | same kernels | TrainStep vs torch.cuda.graph "
+             "| torch.cuda.graph vs eager |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
 
     def speed(row, method):
         ms = row.get(f"{method}_ms")
@@ -213,12 +255,15 @@ def markdown(result: Dict[str, Any]) -> List[str]:
                 lines.append(f"| {name} | {setup} | FAILED: "
                              f"{row['error'].strip().splitlines()[-1][:120]} |||||||")
                 continue
+            torch_graph = row.get("loss_rel_diffs_torch_graph", {})
             optimize = speed(row, "optimize") if row.get("optimize_applied") else \
                 f"not applied: {(row.get('optimize_reason') or '')[:80]}"
             lines.append(f"| {name} | {setup} | {row['eager_ms']} | {speed(row, 'trainstep')} "
                          f"| {optimize} | {speed(row, 'auto')} | {len(row['auto_fallbacks'])} "
                          f"| {row['loss_rel_diff']:.2e} "
-                         f"| {row.get('loss_rel_diff_same_kernels') or 0:.2e} |")
+                         f"| {row.get('loss_rel_diff_same_kernels') or 0:.2e} "
+                         f"| {torch_graph.get('trainstep_vs_torch_graph', '-')} "
+                         f"| {torch_graph.get('torch_graph_vs_eager_same_kernels', '-')} |")
     lines.append("")
     return lines
 

@@ -259,12 +259,16 @@ bool GraphManager::shapes_changed(Module& module, const std::vector<c10::IValue>
     return false;
   }
   if (*module.warmup_key == key) return false;
-  module.blocked = c10::str(
+  module.blocked = changing_shapes_reason(module);
+  return true;
+}
+
+std::string GraphManager::changing_shapes_reason(const Module& module) const {
+  return c10::str(
       "its calls come at different shapes from call to call (data-dependent sizes, such as "
       "the tokens routed to one expert), so each would need a graph of its own; it runs "
       "eagerly as a part of ", module.spec.part_of.empty() ? "its block" : module.spec.part_of,
       ", whose other parts stay graphed");
-  return true;
 }
 
 GraphManager::Slot* GraphManager::find_slot(Module& module, CallMode mode, const BucketPlan& plan,
@@ -621,6 +625,13 @@ std::optional<c10::IValue> GraphManager::call_locked(Module& module,
   if (slot == nullptr && mode == CallMode::kTraining && module.training_sample) {
     capture_training_group(module);
     slot = find_slot(module, mode, *planned, inputs);
+  }
+  if (slot == nullptr && module.spec.steady_shapes && !module.slots.empty()) {
+    // A part whose shapes held through warm-up and then changed: one graph
+    // per shape is what steady_shapes refuses (ModuleSpec::steady_shapes).
+    module.blocked = changing_shapes_reason(module);
+    while (!module.slots.empty()) evict(module.slots.front()->id);
+    return fall_back(module, *module.blocked, inputs, caller_runs_fallbacks);
   }
   if (slot == nullptr && may_pick && !module.picked_buckets && pick_buckets_for(module, inputs)) {
     policy = &*module.picked_buckets;

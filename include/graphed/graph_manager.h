@@ -256,6 +256,7 @@ class GraphManager {
   void order_shared_inputs(const SharedInputs& inputs);
   c10::IValue run_warmup(Module& module, const std::vector<c10::IValue>& inputs, bool last);
   bool shapes_changed(Module& module, const std::vector<c10::IValue>& inputs, CallMode mode);
+  std::string changing_shapes_reason(const Module& module) const;
   void record_training_call(Module& module, const std::vector<c10::IValue>& inputs,
                             const c10::IValue& output);
   void capture_training_group(Module& trigger);

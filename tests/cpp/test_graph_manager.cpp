@@ -420,6 +420,23 @@ TEST_F(ManagerFixture, APartWhoseWarmupShapesChangeStaysEagerWithWhy) {
   EXPECT_EQ(stats.modules[1].state, "graphed");
 }
 
+TEST_F(ManagerFixture, APartWhoseShapesChangeAfterCaptureStaysEagerAndDropsItsGraph) {
+  GraphManagerOptions options;
+  options.warmup = 2;
+  GraphManager manager = make(options);
+  ModuleSpec expert = doubling_module("moe.experts.1", &eager_runs);
+  expert.part_of = "moe";
+  expert.steady_shapes = true;
+  const size_t e = manager.add_module(std::move(expert));
+  for (int i = 0; i < 3; ++i) (void)manager.call(e, call_inputs(at::ones({4, 2})));
+  EXPECT_EQ(manager.stats().graphs, 1);
+  const IValue out = manager.call(e, call_inputs(at::ones({6, 2})));
+  EXPECT_TRUE(at::equal(out.toTensor(), at::full({6, 2}, 3.0)));
+  EXPECT_TRUE(manager.blocked(e));
+  EXPECT_EQ(manager.stats().graphs, 0);
+  EXPECT_EQ(journal.captured.size(), 1u);
+}
+
 TEST_F(ManagerFixture, UncoveredSizeFallsBackWithTheFix) {
   GraphManagerOptions options;
   options.warmup = 1;
