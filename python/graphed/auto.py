@@ -327,7 +327,7 @@ def _parts(result: Dict[str, Any]) -> Dict[str, Any]:
         entry = parts.setdefault(block, {
             "eager_because": reasons.get(block, ""), "graphed": [], "eager": {},
             "outside_parts": "eager: the block's own code between its parts"})
-        if module["replays"] > 0:
+        if module["replays"] > 0 and module["state"] != "eager":
             entry["graphed"].append(name)
         else:
             entry["eager"][name] = reasons.get(name, f"no replay yet ({module['state']})")

@@ -114,8 +114,15 @@ def test_auto_graphs_the_parts_of_hand_written_moe_blocks_and_trains_like_eager(
     assert "blocks.0.attn" in parts["blocks.0"]["graphed"], parts
     assert stats["modules"]["blocks.0.attn"]["replays"] >= 3, stats["modules"]
     assert "blocks.0.moe" in parts["blocks.0"]["eager"], parts
-    experts = parts["blocks.0.moe"]["eager"]
-    assert experts and all("different shapes" in why for why in experts.values()), experts
+    # An expert graphs while its token count holds (bf16 routing of a random
+    # init can send every token to the same experts) and stays eager once it
+    # changes.
+    eager_experts = parts["blocks.0.moe"]["eager"]
+    for name, why in eager_experts.items():
+        assert any(text in why for text in ("different shapes", "no replay yet",
+                                            "recorded order")), (name, why)
+    if setup == "amp_bf16":
+        assert any("different shapes" in why for why in eager_experts.values()), eager_experts
     assert any("blocks.0.attn" in g["modules"] and not g["failure"]
                for g in stats["training_groups"]), stats["training_groups"]
     graphed.auto_undo(model)
