@@ -182,6 +182,49 @@ def _compile_options(compile):
     return dict(compile)
 
 
+def _unroll_sliding_windows(cache, max_len, model):
+    """Replaces the cache's sliding-window layers by full static layers;
+    returns the notes saying so (none when there were none).
+
+    Note [Sliding windows on a full static cache]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    transformers' StaticSlidingWindowLayer (5.17) keeps the last `window`
+    keys and decides on the host, from a Python int counting the tokens it
+    has seen, whether the window is full: then it rolls the whole window by
+    one position and writes the new key last, else it writes at the next
+    position. A graph captured before the window fills would replay the
+    not-full branch for ever (and one captured after, the roll), so the
+    decode graphs refused those layers. Here every sliding layer of
+    Mistral, Qwen2/3 with a window, gpt-oss (sliding and full layers
+    alternate) and Gemma 2/3 (local and global layers) becomes a full static
+    layer: keys stay at their absolute positions, and transformers' own
+    sliding-window mask, which the model builds on the device from the cache
+    positions, hides those outside the window. Every step is then the same
+    graph, and the attention sees exactly the keys transformers' static
+    cache keeps (greedy tokens equal to model.generate(...,
+    cache_implementation="static"): tests/python/test_generate.py, windows
+    of 8 over 17 tokens). The cost is memory and attention work: a sliding
+    layer holds max_len positions instead of `window` and attends over them
+    (masked). Nothing changes while max_len <= window (Mistral's 4096 and
+    most requests); past it the sliding layers grow with max_len / window. A
+    ring buffer with a position map on the device would remove that."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    unrolled = []
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is StaticSlidingWindowLayer:
+            cache.layers[index] = StaticLayer(max_cache_len=max_len)
+            unrolled.append(index)
+    if not unrolled:
+        return []
+    window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+    layers = ", ".join(str(index) for index in unrolled)
+    return [f"{len(unrolled)} of {len(cache.layers)} layers of {type(model).__name__} (layers "
+            f"{layers}) attend within a sliding window of {window}: their cache holds all "
+            f"{max_len} positions and transformers' sliding-window mask keeps the window "
+            f"(Note [Sliding windows on a full static cache])"]
+
+
 class _StaticCacheModel:
     """The model's prefill and decode step on one StaticCache of max_batch rows;
     a batch of n rows works on views of the first n rows of every layer.
@@ -197,10 +240,11 @@ class _StaticCacheModel:
         self._model = weakref.ref(model)
         self.cache = StaticCache(config=model.config.get_text_config(decoder=True),
                                  max_cache_len=max_len)
+        self.notes = _unroll_sliding_windows(self.cache, max_len, model)
         kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
         if kinds:
             raise _error(f"{type(model).__name__} needs cache layers of kind {sorted(kinds)} "
-                         f"(sliding windows or the like), which the decode graphs do not "
+                         f"(state-space states or the like), which the decode graphs do not "
                          f"support yet. Use model.generate, or a config without them.")
         heads, head_dim = model._get_static_cache_init_shape()
         self.cache.early_initialization(batch_size=max_batch, num_heads=heads, head_dim=head_dim,
@@ -389,6 +433,8 @@ class Decoder:
             prefill_graphs=prefill_graphs, vocab_size=_input_vocabulary(model))
         adapter.append(_StaticCacheModel(model, max_batch, max_len, compile_options))
         self._adapter = adapter
+        for note in adapter[0].notes:
+            logger.info("Decoder: %s", note)
         if capture and use_graphs:
             self.capture()
 
@@ -396,6 +442,13 @@ class Decoder:
     def cache(self):
         """The transformers StaticCache the decoder owns (max_batch rows, max_len positions)."""
         return self._adapter[0].cache
+
+    @property
+    def notes(self):
+        """What the decoder changed about the model's cache to decode on graphs:
+        sliding-window layers held whole and masked to their window (Note
+        [Sliding windows on a full static cache]); empty when nothing."""
+        return list(self._adapter[0].notes)
 
     def capture(self):
         """Captures every bucket's graph now (generate() captures a bucket on first use,

@@ -4,6 +4,10 @@ import torch
 
 ARCHITECTURES = ("llama", "gpt2", "qwen2")
 
+#: Models whose attention layers (some or all) see a sliding window of 8
+#: positions: Note [Sliding windows on a full static cache].
+SLIDING_ARCHITECTURES = ("mistral_sliding", "qwen2_sliding", "gemma3", "gpt_oss")
+
 
 def tiny_model(arch, device="cpu", vocab=128, layers=2):
     """A 2-layer model of `arch` with GQA where the architecture has it, in eval mode."""
@@ -25,6 +29,34 @@ def tiny_model(arch, device="cpu", vocab=128, layers=2):
             vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
         model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "mistral_sliding":
+        config = transformers.MistralConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+            max_position_embeddings=512)
+        model = transformers.MistralForCausalLM(config)
+    elif arch == "qwen2_sliding":
+        config = transformers.Qwen2Config(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+            sliding_window=8, max_window_layers=0, max_position_embeddings=512)
+        model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "gemma3":
+        # Local (sliding) and global layers alternate, as in Gemma 3.
+        config = transformers.Gemma3TextConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2 * layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * layers,
+            max_position_embeddings=512)
+        model = transformers.Gemma3ForCausalLM(config)
+    elif arch == "gpt_oss":
+        # Sliding and full layers alternate; attention sinks need eager attention.
+        config = transformers.GptOssConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+            attn_implementation="eager")
+        model = transformers.GptOssForCausalLM(config)
     else:
         raise ValueError(arch)
     return model.to(device).eval()

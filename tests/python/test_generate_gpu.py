@@ -9,8 +9,13 @@ import pytest
 import torch
 
 import graphed
-from generate_models import (ARCHITECTURES, assert_eos_and_min_new_tokens_follow_hf,
-                             hf_static_generate, left_padded_prompts, tiny_model)
+from generate_models import (ARCHITECTURES, SLIDING_ARCHITECTURES,
+                             assert_eos_and_min_new_tokens_follow_hf, hf_static_generate,
+                             left_padded_prompts, tiny_model)
+
+# fp32 gpt-oss would run transformers' experts GEMM with host-read offsets;
+# its bf16 form is tested on its own below.
+SLIDING_FP32 = tuple(a for a in SLIDING_ARCHITECTURES if a != "gpt_oss")
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")
@@ -27,6 +32,30 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
     decoder = model.__dict__["_graphed_decoder"]
     report = {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
     assert report[batch]["captured"] and report[batch]["replays"] == 39
+
+
+@pytest.mark.parametrize("arch", SLIDING_FP32)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_sliding_window_models_decode_on_graphs_with_hf_static_tokens(arch, batch):
+    # Note [Sliding windows on a full static cache]: 9 prompt positions and 40
+    # new tokens in windows of 8, on one decode graph per bucket.
+    model = tiny_model(arch, "cuda")
+    ids, mask = left_padded_prompts(batch, 9, model.config.vocab_size, "cuda")
+    want = hf_static_generate(model, ids, mask, 40, max_cache_len=64)
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=40, max_cache_len=64)
+    assert torch.equal(got, want)
+    decoder = model.__dict__["_graphed_decoder"]
+    report = {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
+    assert report[batch]["captured"] and report[batch]["replays"] == 39
+    assert decoder.notes and "sliding window of 8" in decoder.notes[0]
+
+
+def test_bf16_gpt_oss_alternating_sliding_and_full_layers_decodes_with_hf_tokens():
+    model = tiny_model("gpt_oss", "cuda").to(torch.bfloat16)
+    ids, mask = left_padded_prompts(2, 9, model.config.vocab_size, "cuda")
+    want = hf_static_generate(model, ids, mask, 24, max_cache_len=40)
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=24, max_cache_len=40)
+    assert torch.equal(got, want)
 
 
 def test_eos_and_min_new_tokens_follow_hf():
@@ -144,7 +173,7 @@ def _prefill_rows(decoder):
     return [r for r in decoder.memory_report() if r["kind"] == "prefill"]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + SLIDING_FP32)
 @pytest.mark.parametrize("batch, padded", [(1, False), (8, True), (8, False)])
 def test_greedy_tokens_equal_hf_static_with_the_prefill_graph(arch, batch, padded):
     """The first `warmup` requests of a shape prefill eagerly, the next one
