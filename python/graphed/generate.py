@@ -11,7 +11,6 @@ only here, and only when a model is adapted.
 
 import copy
 import logging
-import threading
 import weakref
 
 import torch
@@ -85,11 +84,6 @@ def _check_model(model):
 # bucket or decoder each needs one (Note [A compiled decode step]).
 _RECOMPILE_LIMIT = 64
 
-# Whether the prefill under way has left padding (True/False), or None
-# outside graphed's prefills. Per thread: the decoder calls the prefill on the
-# thread that called generate().
-_prefill_padding = threading.local()
-
 
 def _install_prefill_mask_rule():
     """Makes transformers' prefill mask rule capturable during graphed's prefills.
@@ -108,26 +102,12 @@ def _install_prefill_mask_rule():
     when some row has left padding (PrefillStep in decoder.h). So during
     graphed's prefills this rule answers as transformers would for those
     values (padding, or a local attention window it reaches, keeps the mask);
-    everywhere else it calls transformers' own rule unchanged."""
-    from transformers import masking_utils
+    everywhere else it calls transformers' own rule, or the one of Note
+    [transformers' mask rules under capture] (integrations/transformers_masks.py,
+    which holds both)."""
+    from .integrations import transformers_masks
 
-    original = masking_utils._ignore_causal_mask_sdpa
-    if getattr(original, "_graphed_prefill_rule", False):
-        return
-
-    def ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset,
-                                local_attention_size=None):
-        padded = getattr(_prefill_padding, "padded", None)
-        if padded is None:
-            return original(padding_mask, q_length, kv_length, q_offset, kv_offset,
-                            local_attention_size)
-        if local_attention_size is not None and kv_length >= local_attention_size:
-            return False
-        return not padded
-
-    ignore_causal_mask_sdpa._graphed_prefill_rule = True
-    ignore_causal_mask_sdpa.__wrapped__ = original
-    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+    transformers_masks.install()
 
 
 def _compile_options(compile):
@@ -293,11 +273,13 @@ class _StaticCacheModel:
         padded = attention_mask is not None
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        _prefill_padding.padded = padded
+        from .integrations.transformers_masks import prefill_padding
+
+        prefill_padding.padded = padded
         try:
             return self._forward(input_ids, attention_mask, position_ids, is_first_iteration=True)
         finally:
-            _prefill_padding.padded = None
+            prefill_padding.padded = None
 
     def _eager_step(self, input_ids, position_ids, attention_mask):
         return self._forward(input_ids, attention_mask, position_ids, next_sequence_length=1)

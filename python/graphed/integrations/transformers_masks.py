@@ -1,0 +1,94 @@
+"""transformers' rules for skipping the attention mask, made to decide during
+graphed's captures as they decide eagerly. Imported only for transformers
+models (graphed._experts.capturable_experts, graphed.generate).
+
+Note [transformers' mask rules under capture]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+transformers (5.17) hands SDPA no mask at all (``is_causal=True``, or no bias
+for a bidirectional encoder) when it can tell the mask is plain: no padding,
+and the query and key lengths line up (masking_utils._ignore_causal_mask_sdpa,
+_ignore_bidirectional_mask_sdpa). Both rules first ask ``is_tracing()``, which
+is true while a CUDA stream captures, and then answer "materialize the mask"
+without looking: the guard is there for torch.export, whose graph would
+hard-code ``is_causal`` for other shapes. So a captured step ran another
+attention than the eager one: an explicit mask, which also turns off SDPA's
+grouped-query path (``use_gqa_in_sdpa`` wants no mask), so keys and values
+are repeated per head and their gradients summed back. The losses were right
+but not eager's: under bf16 autocast with fp32 weights the rotary keys are
+fp32, their repeat-and-sum rounds differently from SDPA's own reduction, and
+mixture-of-experts routing turned that last-bit difference into 1.8e-2
+(Mixtral) over 20 steps; a plain ``torch.cuda.graph`` of the step shows the
+same (bench/zoo_modern.py, ``loss_rel_diffs_torch_graph``).
+
+A CUDA graph is specialized to its shapes, so the export concern does not
+apply: when no padding mask is given (``padding_mask is None``) and the
+offsets are host ints, the answer depends on the shapes alone, and the rules
+here give eager's answer during capture too. With a padding mask the eager
+rule reads its values on the host (``padding_mask.sum() == numel``), which a
+graph cannot hold for later batches; that case keeps transformers' answer
+(materialize), which is right for every batch. graphed.generate's prefill
+has its own answer (Note [A capturable prefill] in generate.py), taken first.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+#: Whether the prefill under way in graphed.generate has left padding
+#: (True/False), or None outside its prefills. Per thread: the decoder calls
+#: the prefill on the thread that called generate().
+prefill_padding = threading.local()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _causal_skip_from_shapes(q_length: int, kv_length: int, q_offset: Any,
+                             local_attention_size: Optional[int]) -> bool:
+    """_ignore_causal_mask_sdpa's answer for no padding mask, past its tracing guard."""
+    if local_attention_size is not None and kv_length >= local_attention_size:
+        return False
+    if q_length == 1 or kv_length == q_length:
+        return True
+    return q_offset == 0
+
+
+def install() -> None:
+    """Installs the rules (idempotent): Note [transformers' mask rules under
+    capture], and graphed.generate's prefill rule (Note [A capturable prefill])."""
+    from transformers import masking_utils
+
+    causal = masking_utils._ignore_causal_mask_sdpa
+    if not getattr(causal, "_graphed_rule", False):
+        def ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                    local_attention_size=None):
+            padded = getattr(prefill_padding, "padded", None)
+            if padded is not None:  # graphed.generate's prefill
+                if local_attention_size is not None and kv_length >= local_attention_size:
+                    return False
+                return not padded
+            if padding_mask is None and isinstance(q_offset, int) and _capturing():
+                return _causal_skip_from_shapes(q_length, kv_length, q_offset,
+                                                local_attention_size)
+            return causal(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                          local_attention_size)
+
+        ignore_causal_mask_sdpa._graphed_rule = True
+        ignore_causal_mask_sdpa.__wrapped__ = causal
+        masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+
+    bidirectional = getattr(masking_utils, "_ignore_bidirectional_mask_sdpa", None)
+    if bidirectional is not None and not getattr(bidirectional, "_graphed_rule", False):
+        def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
+            if (padding_mask is None and _capturing()
+                    and not getattr(masking_utils, "_is_torch_xpu_available", False)):
+                return local_attention_size is None or kv_length < local_attention_size
+            return bidirectional(padding_mask, kv_length, local_attention_size)
+
+        ignore_bidirectional_mask_sdpa._graphed_rule = True
+        ignore_bidirectional_mask_sdpa.__wrapped__ = bidirectional
+        masking_utils._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask_sdpa

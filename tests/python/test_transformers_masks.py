@@ -1,0 +1,91 @@
+"""transformers' mask-skipping rules during graphed's captures (Note
+[transformers' mask rules under capture] in
+python/graphed/integrations/transformers_masks.py): without a padding mask they
+answer as eagerly, with one they keep transformers' answer. The capture is
+simulated by making torch report a capturing stream, so this runs anywhere."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import masking_utils  # noqa: E402
+
+from graphed.integrations import transformers_masks  # noqa: E402
+
+
+# (q_length, kv_length, q_offset, local_attention_size): training forwards,
+# a decode step, a prefill into a longer static cache, a window that is reached.
+SHAPES = [(128, 128, 0, None), (1, 64, 0, None), (9, 64, 0, None), (128, 128, 0, 8),
+          (4, 4, 0, 8), (5, 9, 4, None)]
+
+
+def _eager_answers(rule):
+    return [rule(None, q, kv, offset, 0, local) for q, kv, offset, local in SHAPES]
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    def start():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    return start
+
+
+def test_without_a_padding_mask_capture_answers_as_eager(capturing):
+    transformers_masks.install()
+    rule = masking_utils._ignore_causal_mask_sdpa
+    eager = _eager_answers(rule)
+    original = _eager_answers(rule.__wrapped__)
+    assert eager == original == [True, True, True, False, True, False]
+    capturing()
+    # transformers' own rule materializes every mask while a stream captures.
+    assert not any(_eager_answers(rule.__wrapped__))
+    assert _eager_answers(rule) == eager
+
+
+def test_with_a_padding_mask_capture_keeps_transformers_answer(capturing):
+    transformers_masks.install()
+    rule = masking_utils._ignore_causal_mask_sdpa
+    padding = torch.ones(2, 16, dtype=torch.bool)
+    assert rule(padding, 16, 16, 0, 0) is not False  # eagerly: no padding, skip the mask
+    capturing()
+    assert rule(padding, 16, 16, 0, 0) is False  # its values cannot be read in a graph
+
+
+def test_the_bidirectional_rule_answers_as_eager_without_a_padding_mask(capturing):
+    transformers_masks.install()
+    rule = masking_utils._ignore_bidirectional_mask_sdpa
+    assert rule(None, 32) and not rule(None, 32, 8)
+    capturing()
+    assert not rule.__wrapped__(None, 32)
+    assert rule(None, 32) and not rule(None, 32, 8)
+    assert not rule(torch.ones(2, 32, dtype=torch.bool), 32)
+
+
+def test_install_is_idempotent_and_keeps_the_prefill_rule():
+    transformers_masks.install()
+    rule = masking_utils._ignore_causal_mask_sdpa
+    transformers_masks.install()
+    assert masking_utils._ignore_causal_mask_sdpa is rule
+    assert not getattr(rule.__wrapped__, "_graphed_rule", False)
+    transformers_masks.prefill_padding.padded = True
+    try:
+        assert rule(None, 8, 8, 0, 0) is False  # graphed.generate's padded prefill
+    finally:
+        transformers_masks.prefill_padding.padded = None
+
+
+def test_capturable_experts_installs_the_rules_for_any_transformers_model():
+    import transformers
+
+    from graphed._experts import capturable_experts
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    masking_utils._ignore_causal_mask_sdpa = getattr(
+        masking_utils._ignore_causal_mask_sdpa, "__wrapped__",
+        masking_utils._ignore_causal_mask_sdpa)
+    assert capturable_experts(model) == []  # no experts: nothing switched, no notes
+    assert getattr(masking_utils._ignore_causal_mask_sdpa, "_graphed_rule", False)
