@@ -89,3 +89,27 @@ def test_capturable_experts_installs_the_rules_for_any_transformers_model():
         masking_utils._ignore_causal_mask_sdpa)
     assert capturable_experts(model) == []  # no experts: nothing switched, no notes
     assert getattr(masking_utils._ignore_causal_mask_sdpa, "_graphed_rule", False)
+
+
+def test_the_eager_attention_mask_under_capture_has_eager_values_without_a_host_copy(capturing,
+                                                                                     monkeypatch):
+    # Note [An eager-attention mask a graph can hold].
+    transformers_masks.install()
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is masking_utils.eager_mask
+    arguments = dict(batch_size=2, q_length=6, kv_length=6,
+                     mask_function=masking_utils.sliding_window_causal_mask_function(3),
+                     attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * 2).bool(), dtype=torch.bfloat16,
+                     device="cpu")
+    want = masking_utils.eager_mask.__wrapped__(**arguments)
+    capturing()
+    made = []
+    tensor = torch.tensor
+
+    def no_host_copy(data, *args, **kwargs):
+        made.append(kwargs.get("device"))
+        return tensor(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", no_host_copy)
+    got = masking_utils.eager_mask(**arguments)
+    assert made == []
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

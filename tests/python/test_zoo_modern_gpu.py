@@ -58,17 +58,9 @@ def _tolerance(setup):
 @pytest.mark.parametrize("setup", zoo_modern_models.SETUPS)
 @pytest.mark.parametrize("name", TRANSFORMERS_MODELS)
 def test_trainstep_trains_like_eager(name, setup):
+    # gpt-oss's eager attention mask is built without a host copy while
+    # capturing: Note [An eager-attention mask a graph can hold].
     entry = _entry(name, setup)
-    if name == "gpt_oss":
-        # transformers builds gpt-oss's eager attention mask with a copy of a
-        # host scalar (masking_utils.eager_mask): the whole step cannot be
-        # captured, and the error says where (optimize then graphs per block,
-        # test_optimize_falls_back_to_per_block_graphs_...).
-        model = copy.deepcopy(entry.model)
-        with pytest.raises(graphed.CaptureError, match="masking_utils.py"):
-            graphed.TrainStep.from_parts(model, entry.make_optimizer(model), None, entry.batch,
-                                         amp="bf16" if setup == "amp_bf16" else None)
-        return
     eager_model = copy.deepcopy(entry.model)
     expected = _losses(eager_model, entry, setup)
     model = copy.deepcopy(entry.model)
@@ -154,15 +146,13 @@ def test_graphed_experts_match_transformers_grouped_mm_in_fp32():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_optimize_falls_back_to_per_block_graphs_when_the_step_cannot_be_captured():
-    # gpt-oss's eager attention mask is built with a host-to-device copy in
-    # transformers, outside the decoder layers: Note [Per-block graphs when the
-    # step cannot be captured].
+def test_optimize_captures_gpt_oss_whole_with_its_eager_attention_mask():
+    # transformers builds gpt-oss's eager attention mask with a host-to-device
+    # copy of a scalar (masking_utils.eager_mask), which sent optimize to
+    # per-block graphs: Note [An eager-attention mask a graph can hold].
     entry = _entry("gpt_oss", "amp_bf16")
     model = copy.deepcopy(entry.model)
     report = graphed.optimize(model, entry.make_optimizer(model), None, sample_batch=entry.batch,
                               amp="bf16", progress=False, force=True)
     assert report.applied, report.reason
-    assert report.strategy == "per_block", report.reason
-    assert any("per-block graphs" in note for note in report.notes), report.notes
-    assert graphed.auto_stats(model)["replays"] > 0
+    assert report.strategy == "full_capture", report.reason

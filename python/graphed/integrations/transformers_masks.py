@@ -28,11 +28,23 @@ rule reads its values on the host (``padding_mask.sum() == numel``), which a
 graph cannot hold for later batches; that case keeps transformers' answer
 (materialize), which is right for every batch. graphed.generate's prefill
 has its own answer (Note [A capturable prefill] in generate.py), taken first.
+
+Note [An eager-attention mask a graph can hold]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+For eager attention (gpt-oss's attention sinks need it) transformers turns
+the boolean mask into 0 and the dtype's minimum with
+``torch.where(mask, torch.tensor(0.0, device=...), min)``: the zero is copied
+from pageable host memory, which no capture may do, so gpt-oss's whole step
+could not be captured (masking_utils.py:604). While a stream captures,
+graphed's eager mask builds the same boolean mask with transformers' own
+sdpa_mask and the same where() with a zero made on the device: the same
+values, and no copy. Outside captures transformers' function runs unchanged.
 """
 
 from __future__ import annotations
 
 import threading
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -59,8 +71,11 @@ def _causal_skip_from_shapes(q_length: int, kv_length: int, q_offset: Any,
 
 def install() -> None:
     """Installs the rules (idempotent): Note [transformers' mask rules under
-    capture], and graphed.generate's prefill rule (Note [A capturable prefill])."""
+    capture], graphed.generate's prefill rule (Note [A capturable prefill]) and
+    Note [An eager-attention mask a graph can hold]."""
     from transformers import masking_utils
+
+    _install_eager_mask(masking_utils)
 
     causal = masking_utils._ignore_causal_mask_sdpa
     if not getattr(causal, "_graphed_rule", False):
@@ -92,3 +107,34 @@ def install() -> None:
         ignore_bidirectional_mask_sdpa._graphed_rule = True
         ignore_bidirectional_mask_sdpa.__wrapped__ = bidirectional
         masking_utils._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask_sdpa
+
+
+def _install_eager_mask(masking_utils: Any) -> None:
+    """Note [An eager-attention mask a graph can hold]."""
+    eager = masking_utils.eager_mask
+    if getattr(eager, "_graphed_rule", False):
+        return
+    signature = inspect.signature(eager)
+    variadic = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+    if "dtype" not in signature.parameters or len(variadic) != 1:
+        return  # another transformers than this was written for: leave it alone
+
+    def eager_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+        if not _capturing():
+            return eager(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        extra = dict(arguments.pop(variadic[0]))
+        extra.pop("allow_is_causal_skip", None)
+        dtype = arguments.pop("dtype")
+        mask = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False, **extra)
+        if mask is None:
+            return None
+        zero = torch.zeros((), device=mask.device, dtype=dtype)
+        return torch.where(mask, zero, torch.finfo(dtype).min)
+
+    eager_mask._graphed_rule = True
+    eager_mask.__wrapped__ = eager
+    masking_utils.eager_mask = eager_mask
+    masking_utils.AttentionMaskInterface.register("eager", eager_mask)
