@@ -391,19 +391,23 @@ TEST_F(ManagerFixture, TryCallLeavesFallbacksToTheCallerAndSaysWhenBlocked) {
   EXPECT_TRUE(manager.blocked(m));
 }
 
+// A doubling module managed as a part of `part_of`: Note [Graphing the parts
+// of a block].
+ModuleSpec doubling_part(const std::string& name, const std::string& part_of,
+                         int64_t* eager_runs) {
+  ModuleSpec spec = doubling_module(name, eager_runs);
+  spec.part_of = part_of;
+  spec.steady_shapes = true;
+  return spec;
+}
+
 TEST_F(ManagerFixture, APartWhoseWarmupShapesChangeStaysEagerWithWhy) {
   // ModuleSpec::steady_shapes: Note [Graphing the parts of a block].
   GraphManagerOptions options;
   options.warmup = 2;
   GraphManager manager = make(options);
-  ModuleSpec expert = doubling_module("moe.experts.0", &eager_runs);
-  expert.part_of = "moe";
-  expert.steady_shapes = true;
-  const size_t e = manager.add_module(std::move(expert));
-  ModuleSpec attention = doubling_module("attn", &eager_runs);
-  attention.part_of = "block";
-  attention.steady_shapes = true;
-  const size_t a = manager.add_module(std::move(attention));
+  const size_t e = manager.add_module(doubling_part("moe.experts.0", "moe", &eager_runs));
+  const size_t a = manager.add_module(doubling_part("attn", "block", &eager_runs));
   for (int64_t tokens : {5, 3, 7}) {
     (void)manager.call(e, call_inputs(at::ones({tokens, 2})));
     (void)manager.call(a, call_inputs(at::ones({4, 2})));
@@ -424,10 +428,7 @@ TEST_F(ManagerFixture, APartWhoseShapesChangeAfterCaptureStaysEagerAndDropsItsGr
   GraphManagerOptions options;
   options.warmup = 2;
   GraphManager manager = make(options);
-  ModuleSpec expert = doubling_module("moe.experts.1", &eager_runs);
-  expert.part_of = "moe";
-  expert.steady_shapes = true;
-  const size_t e = manager.add_module(std::move(expert));
+  const size_t e = manager.add_module(doubling_part("moe.experts.1", "moe", &eager_runs));
   for (int i = 0; i < 3; ++i) (void)manager.call(e, call_inputs(at::ones({4, 2})));
   EXPECT_EQ(manager.stats().graphs, 1);
   const IValue out = manager.call(e, call_inputs(at::ones({6, 2})));

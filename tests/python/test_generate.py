@@ -13,35 +13,21 @@ from generate_models import (ARCHITECTURES, SLIDING_ARCHITECTURES,
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + SLIDING_ARCHITECTURES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_tokens_equal_hf_static_cache(arch, batch):
-    model = tiny_model(arch)
-    ids, mask = left_padded_prompts(batch, 7, model.config.vocab_size, "cpu")
-    want = hf_static_generate(model, ids, mask, 10, max_cache_len=24)
-    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=10, max_cache_len=24)
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("arch", SLIDING_ARCHITECTURES)
-@pytest.mark.parametrize("batch", [1, 3])
-def test_sliding_window_models_give_hf_static_cache_tokens_past_the_window(arch, batch):
-    # Note [Sliding windows on a full static cache]: 7 prompt positions and 10
-    # new tokens in windows of 8, left padding included.
+    # Sliding windows: 7 prompt positions and 10 new tokens in windows of 8,
+    # left padding included (Note [Sliding windows on a full static cache]).
     model = tiny_model(arch)
     ids, mask = left_padded_prompts(batch, 7, model.config.vocab_size, "cpu")
     want = hf_static_generate(model, ids, mask, 10, max_cache_len=24)
     got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=10, max_cache_len=24)
     assert torch.equal(got, want)
     notes = model.__dict__["_graphed_decoder"].notes
-    assert len(notes) == 1 and "sliding window of 8" in notes[0], notes
-
-
-def test_models_without_sliding_windows_have_no_cache_notes():
-    model = tiny_model("llama")
-    ids, _ = left_padded_prompts(1, 4, model.config.vocab_size, "cpu")
-    graphed.generate(model, ids, max_new_tokens=3)
-    assert model.__dict__["_graphed_decoder"].notes == []
+    if arch in SLIDING_ARCHITECTURES:
+        assert len(notes) == 1 and "sliding window of 8" in notes[0], notes
+    else:
+        assert notes == []
 
 
 def test_eos_and_min_new_tokens_follow_hf():
