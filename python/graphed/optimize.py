@@ -157,8 +157,9 @@ STRATEGIES: Dict[str, _Strategy] = {
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A whole training step fails to capture when anything in it cannot be
 # captured: a host read in the user's loop, or code inside a library around
-# the blocks (transformers builds gpt-oss's eager attention mask with a
-# host-to-device copy of a scalar). Most of those sit outside the repeated
+# the blocks (transformers built gpt-oss's eager attention mask with a
+# host-to-device copy of a scalar, until Note [An eager-attention mask a graph
+# can hold] replaced it while capturing). Most of those sit outside the repeated
 # blocks that hold the kernels, so instead of refusing, optimize tries
 # graphed.auto on the model (per-block graphs of forward and backward, the
 # optimizer eager; blocks that still cannot be captured run their own
