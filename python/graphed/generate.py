@@ -75,7 +75,15 @@ def _check_model(model):
     if attention not in ("sdpa", "eager"):
         raise _error(f"Expected attn_implementation 'sdpa' or 'eager', got {attention!r}. Load "
                      f"the model with attn_implementation='sdpa'.")
-    if not model._supports_default_dynamic_cache() or model._get_static_cache_init_shape() is None:
+    if getattr(model, "_is_stateful", False):
+        raise _error(f"{type(model).__name__} keeps state-space (Mamba) states instead of a "
+                     f"key/value cache, which graphed.generate does not decode yet. Use "
+                     f"model.generate.")
+    try:
+        shape = model._get_static_cache_init_shape()
+    except AttributeError:  # a config without attention heads
+        shape = None
+    if not model._supports_default_dynamic_cache() or shape is None:
         raise _error(f"{type(model).__name__} cannot use a StaticCache of one head count and "
                      f"head size per layer, which the decode graphs need. Use model.generate.")
 

@@ -82,6 +82,17 @@ def test_request_over_the_decoders_limits_is_refused_before_any_work():
     assert bool((cache.layers[0].keys == 1.0).all()), "a refused request touched the cache"
 
 
+def test_a_state_space_model_is_refused_with_the_reason():
+    import transformers
+
+    config = transformers.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                       state_size=16, expand=2, head_dim=16, num_heads=8,
+                                       n_groups=1)
+    model = transformers.Mamba2ForCausalLM(config).eval()
+    with pytest.raises(graphed.GraphedError, match="state-space .Mamba. states"):
+        graphed.generate(model, torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
+
+
 def test_not_a_transformers_model_is_refused():
     with pytest.raises(graphed.GraphedError, match="Hugging Face causal language model"):
         graphed.generate(torch.nn.Linear(2, 2), torch.ones(1, 2, dtype=torch.long))
