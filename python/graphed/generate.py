@@ -60,6 +60,11 @@ def _error(message):
     return _C.GraphedError(message)
 
 
+def _is_state_space(model):
+    """A model that keeps recurrent states instead of a key/value cache (Mamba)."""
+    return bool(getattr(model, "_is_stateful", False))
+
+
 def _check_model(model):
     """Refuses, with the reason, models the decoder cannot drive."""
     config = getattr(model, "config", None)
@@ -75,10 +80,8 @@ def _check_model(model):
     if attention not in ("sdpa", "eager"):
         raise _error(f"Expected attn_implementation 'sdpa' or 'eager', got {attention!r}. Load "
                      f"the model with attn_implementation='sdpa'.")
-    if getattr(model, "_is_stateful", False):
-        raise _error(f"{type(model).__name__} keeps state-space (Mamba) states instead of a "
-                     f"key/value cache, which graphed.generate does not decode yet. Use "
-                     f"model.generate.")
+    if _is_state_space(model):
+        return  # its own adapter: Note [Decoding a state-space model on graphs]
     try:
         shape = model._get_static_cache_init_shape()
     except AttributeError:  # a config without attention heads
@@ -421,7 +424,12 @@ class Decoder:
             check_every=check_every, memory_budget=memory_budget, warmup=warmup,
             use_graphs=use_graphs, capture_error_mode=capture_error_mode, device=device,
             prefill_graphs=prefill_graphs, vocab_size=_input_vocabulary(model))
-        adapter.append(_StaticCacheModel(model, max_batch, max_len, compile_options))
+        if _is_state_space(model):
+            from ._state_space_decoding import StateSpaceModel
+
+            adapter.append(StateSpaceModel(model, max_batch, max_len, compile_options))
+        else:
+            adapter.append(_StaticCacheModel(model, max_batch, max_len, compile_options))
         self._adapter = adapter
         for note in adapter[0].notes:
             logger.info("Decoder: %s", note)
@@ -430,14 +438,17 @@ class Decoder:
 
     @property
     def cache(self):
-        """The transformers StaticCache the decoder owns (max_batch rows, max_len positions)."""
+        """The transformers cache the decoder owns: a StaticCache (max_batch rows, max_len
+        positions), or a state-space model's recurrent states (max_batch rows)."""
         return self._adapter[0].cache
 
     @property
     def notes(self):
         """What the decoder changed about the model's cache to decode on graphs:
         sliding-window layers held whole and masked to their window (Note
-        [Sliding windows on a full static cache]); empty when nothing."""
+        [Sliding windows on a full static cache]), a state-space model's states
+        sized for max_batch (Note [Decoding a state-space model on graphs]);
+        empty when nothing."""
         return list(self._adapter[0].notes)
 
     def capture(self):

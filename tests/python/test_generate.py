@@ -82,15 +82,47 @@ def test_request_over_the_decoders_limits_is_refused_before_any_work():
     assert bool((cache.layers[0].keys == 1.0).all()), "a refused request touched the cache"
 
 
-def test_a_state_space_model_is_refused_with_the_reason():
+def _mamba2():
     import transformers
 
+    torch.manual_seed(0)
     config = transformers.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2,
                                        state_size=16, expand=2, head_dim=16, num_heads=8,
-                                       n_groups=1)
-    model = transformers.Mamba2ForCausalLM(config).eval()
-    with pytest.raises(graphed.GraphedError, match="state-space .Mamba. states"):
-        graphed.generate(model, torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
+                                       n_groups=1, chunk_size=8)
+    return transformers.Mamba2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("batch, padded", [(1, False), (3, False), (3, True)])
+def test_a_state_space_model_gives_hf_tokens(batch, padded):
+    # Note [Decoding a state-space model on graphs]: prompts past a scan chunk,
+    # left padding included.
+    model = _mamba2()
+    ids, mask = left_padded_prompts(batch, 11, model.config.vocab_size, "cpu")
+    if not padded:
+        ids, mask = ids.clamp(min=1), None
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              pad_token_id=0)
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(got, want)
+    decoder = model.__dict__["_graphed_decoder"]
+    assert "recurrent states" in decoder.notes[0], decoder.notes
+    again = graphed.generate(model, ids[:1], attention_mask=None if mask is None else mask[:1],
+                             max_new_tokens=12)  # a smaller batch, same states
+    assert torch.equal(again, want[:1])
+
+
+def test_a_state_space_models_prefill_and_step_read_nothing_on_the_host():
+    from graphed._state_space_decoding import StateSpaceModel
+
+    model = _mamba2()
+    ids = torch.randint(1, 127, (2, 6))
+    adapter = StateSpaceModel(model, 2, 16)
+    with torch.no_grad():
+        adapter.reset()
+        with _NoHostReads():
+            adapter.prefill((ids, None, None))
+            adapter.step((ids[:, -1:], None, None))
 
 
 def test_not_a_transformers_model_is_refused():

@@ -45,6 +45,29 @@ def test_bf16_gpt_oss_alternating_sliding_and_full_layers_decodes_with_hf_tokens
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("batch, padded", [(1, False), (8, False), (8, True)])
+def test_a_state_space_model_decodes_on_graphs_with_hf_tokens(batch, padded):
+    # Note [Decoding a state-space model on graphs]: Mamba2's torch path.
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                       state_size=16, expand=2, head_dim=16, num_heads=8,
+                                       n_groups=1, chunk_size=8)
+    model = transformers.Mamba2ForCausalLM(config).cuda().eval()
+    ids, mask = left_padded_prompts(batch, 11, config.vocab_size, "cuda")
+    if not padded:
+        ids, mask = ids.clamp(min=1), None
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                              pad_token_id=0)
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=24)
+    assert torch.equal(got, want)
+    decoder = model.__dict__["_graphed_decoder"]
+    report = {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
+    assert report[batch]["captured"] and report[batch]["replays"] == 23
+
+
 def test_eos_and_min_new_tokens_follow_hf():
     model = tiny_model("llama", "cuda")
     ids, mask = left_padded_prompts(8, 6, model.config.vocab_size, "cuda")
