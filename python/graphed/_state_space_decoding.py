@@ -22,6 +22,10 @@ and there is no mask or position to carry. Three things are the adapter's:
   for a prefill, full for a step, which is what each always means here.
 - The mask. The decoder passes an attention mask only when some prompt has
   left padding; the step passes none, as transformers' generate does.
+Hybrids (granite-moe-hybrid: Mamba and attention layers) decode on the
+StaticCache adapter in generate.py, whose StaticCache holds the state-space
+layers beside the key/value ones; it sizes, views and flags them with the
+helpers here.
 """
 
 import copy
@@ -32,23 +36,51 @@ import torch
 from . import _C
 
 
+def is_state_layer(layer):
+    """A cache layer of recurrent states only (LinearAttentionLayer)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    return type(layer) is LinearAttentionLayer
+
+
+def state_view(layer, rows):
+    """The layer's states restricted to their first `rows` rows; the view shares
+    the layer's host flags (has_previous_state). A layer not sized yet is its
+    own view, so that the sizing prefill allocates its states in it."""
+    if not (any(layer.is_conv_states_initialized.values())
+            or any(layer.is_recurrent_states_initialized.values())):
+        return layer
+    part = copy.copy(layer)
+    part.conv_states = {i: s[:rows] if s is not None else None
+                        for i, s in layer.conv_states.items()}
+    part.recurrent_states = {i: s[:rows] if s is not None else None
+                             for i, s in layer.recurrent_states.items()}
+    return part
+
+
+def mark_previous_state(cache, previous):
+    """Sets every state layer's host flag: Note [Decoding a state-space model on
+    graphs]."""
+    for layer in cache.layers:
+        if is_state_layer(layer):
+            for index in layer.has_previous_state:
+                layer.has_previous_state[index] = previous
+
+
 class StateSpaceModel:
     """A state-space model's prefill and decode step on one recurrent cache of
     ``max_batch`` rows; a batch of n rows works on views of the first n."""
 
     def __init__(self, model, max_batch, max_len, compile_options=None):
         from transformers import DynamicCache
-        from transformers.cache_utils import LinearAttentionLayer
 
         self._model = weakref.ref(model)
         self.cache = DynamicCache(config=model.config)
-        kinds = {type(layer).__name__ for layer in self.cache.layers
-                 if type(layer) is not LinearAttentionLayer}
+        kinds = {type(layer).__name__ for layer in self.cache.layers if not is_state_layer(layer)}
         if kinds or not self.cache.layers:
             raise _C.GraphedError(
                 f"Expected every cache layer of {type(model).__name__} to be a state-space "
-                f"(LinearAttentionLayer) one, got {sorted(kinds) or 'none'}: attention and "
-                f"state-space layers mixed in one model are not decoded yet. Use "
+                f"(LinearAttentionLayer) one, got {sorted(kinds) or 'none'}. Use "
                 f"model.generate.")
         self.notes = [f"{type(model).__name__} decodes on its recurrent states, sized for "
                       f"{max_batch} rows (Note [Decoding a state-space model on graphs])"]
@@ -74,24 +106,12 @@ class StateSpaceModel:
         """The cache restricted to its first `rows` rows (same memory, same flags)."""
         if rows not in self.views:
             view = copy.copy(self.cache)
-            view.layers = []
-            for layer in self.cache.layers:
-                part = copy.copy(layer)  # shares has_previous_state with the cache's layer
-                part.conv_states = {i: s[:rows] for i, s in layer.conv_states.items()}
-                part.recurrent_states = {i: s[:rows] if s is not None else None
-                                         for i, s in layer.recurrent_states.items()}
-                view.layers.append(part)
+            view.layers = [state_view(layer, rows) for layer in self.cache.layers]
             self.views[rows] = view
         return self.views[rows]
 
     def reset(self):
         self.cache.reset()
-
-    def _mark(self, previous):
-        # Note [Decoding a state-space model on graphs]: the host flag.
-        for layer in self.cache.layers:
-            for index in layer.has_previous_state:
-                layer.has_previous_state[index] = previous
 
     def _forward(self, input_ids, attention_mask, **flags):
         return self.model(input_ids=input_ids, cache_params=self.view(input_ids.shape[0]),
@@ -101,14 +121,14 @@ class StateSpaceModel:
     def prefill(self, args):
         """The prompts through the model; attention_mask is None without left padding."""
         input_ids, attention_mask, _ = args
-        self._mark(False)
+        mark_previous_state(self.cache, False)
         return self._forward(input_ids, attention_mask)
 
     def _eager_step(self, input_ids, position_ids, attention_mask):
         return self._forward(input_ids, None)
 
     def step(self, args):
-        self._mark(True)
+        mark_previous_state(self.cache, True)
         if self._compiled_step is None:
             return self._eager_step(*args)
         from .generate import _RECOMPILE_LIMIT

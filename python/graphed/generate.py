@@ -16,7 +16,9 @@ import weakref
 import torch
 
 from . import _C
+from ._experts import capturable_experts
 from ._progress import Progress
+from ._state_space_decoding import is_state_layer, mark_previous_state, state_view
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +63,14 @@ def _error(message):
 
 
 def _is_state_space(model):
-    """A model that keeps recurrent states instead of a key/value cache (Mamba)."""
-    return bool(getattr(model, "_is_stateful", False))
+    """A model that keeps recurrent states and no key/value cache at all (Mamba);
+    a hybrid with attention layers decodes on the StaticCache adapter."""
+    if not getattr(model, "_is_stateful", False):
+        return False
+    try:
+        return model._get_static_cache_init_shape() is None
+    except AttributeError:  # a config without attention heads
+        return True
 
 
 def _check_model(model):
@@ -232,11 +240,12 @@ class _StaticCacheModel:
         self.cache = StaticCache(config=model.config.get_text_config(decoder=True),
                                  max_cache_len=max_len)
         self.notes = _unroll_sliding_windows(self.cache, max_len, model)
-        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
+        kinds = {type(layer).__name__ for layer in self.cache.layers
+                 if type(layer) is not StaticLayer and not is_state_layer(layer)}
         if kinds:
-            raise _error(f"{type(model).__name__} needs cache layers of kind {sorted(kinds)} "
-                         f"(state-space states or the like), which the decode graphs do not "
-                         f"support yet. Use model.generate, or a config without them.")
+            raise _error(f"{type(model).__name__} needs cache layers of kind {sorted(kinds)}, "
+                         f"which the decode graphs do not support yet. Use model.generate, or "
+                         f"a config without them.")
         heads, head_dim = model._get_static_cache_init_shape()
         self.cache.early_initialization(batch_size=max_batch, num_heads=heads, head_dim=head_dim,
                                         dtype=model.dtype, device=model.device)
@@ -246,6 +255,19 @@ class _StaticCacheModel:
         if compile_options is not None:
             self._compiled_step = torch.compile(self._eager_step, **compile_options)
         _install_prefill_mask_rule()
+        states = sum(1 for layer in self.cache.layers if is_state_layer(layer))
+        if states:
+            # Note [Decoding a state-space model on graphs]: a prefill of one
+            # token sizes the state layers for max_batch rows.
+            zeros = torch.zeros(max_batch, 1, dtype=torch.long, device=model.device)
+            with torch.no_grad():
+                self.prefill((zeros, None, zeros))
+            self.views = {}  # built before the states existed
+            self.reset()
+            self.notes.append(
+                f"{states} of {len(self.cache.layers)} layers of {type(model).__name__} are "
+                f"state-space layers: their recurrent states are sized for {max_batch} rows "
+                f"(Note [Decoding a state-space model on graphs])")
 
     @property
     def model(self):
@@ -260,6 +282,9 @@ class _StaticCacheModel:
             view = copy.copy(self.cache)
             view.layers = []
             for layer in self.cache.layers:
+                if is_state_layer(layer):
+                    view.layers.append(state_view(layer, rows))
+                    continue
                 part = copy.copy(layer)
                 part.keys, part.values = layer.keys[:rows], layer.values[:rows]
                 part.batch_size = rows
@@ -287,6 +312,7 @@ class _StaticCacheModel:
         from .integrations.transformers_masks import prefill_padding
 
         prefill_padding.padded = padded
+        mark_previous_state(self.cache, False)
         try:
             return self._forward(input_ids, attention_mask, position_ids, is_first_iteration=True)
         finally:
@@ -296,6 +322,7 @@ class _StaticCacheModel:
         return self._forward(input_ids, attention_mask, position_ids, next_sequence_length=1)
 
     def step(self, args):
+        mark_previous_state(self.cache, True)
         if self._compiled_step is None:
             return self._eager_step(*args)
         # Note [A compiled decode step]: every bucket and decoder recompiles.
@@ -424,6 +451,10 @@ class Decoder:
             check_every=check_every, memory_budget=memory_budget, warmup=warmup,
             use_graphs=use_graphs, capture_error_mode=capture_error_mode, device=device,
             prefill_graphs=prefill_graphs, vocab_size=_input_vocabulary(model))
+        # fp32 experts would read their offsets on the host in transformers'
+        # grouped GEMM (Note [A grouped GEMM every dtype can capture]); graphed's
+        # kernels need the GPU, where the graphs are.
+        self._expert_notes = capturable_experts(model) if device.type == "cuda" else []
         if _is_state_space(model):
             from ._state_space_decoding import StateSpaceModel
 
@@ -431,7 +462,7 @@ class Decoder:
         else:
             adapter.append(_StaticCacheModel(model, max_batch, max_len, compile_options))
         self._adapter = adapter
-        for note in adapter[0].notes:
+        for note in self.notes:
             logger.info("Decoder: %s", note)
         if capture and use_graphs:
             self.capture()
@@ -448,8 +479,8 @@ class Decoder:
         sliding-window layers held whole and masked to their window (Note
         [Sliding windows on a full static cache]), a state-space model's states
         sized for max_batch (Note [Decoding a state-space model on graphs]);
-        empty when nothing."""
-        return list(self._adapter[0].notes)
+        graphed's grouped GEMM for fp32 experts on the GPU; empty when nothing."""
+        return list(self._adapter[0].notes) + list(self._expert_notes)
 
     def capture(self):
         """Captures every bucket's graph now (generate() captures a bucket on first use,

@@ -8,6 +8,10 @@ ARCHITECTURES = ("llama", "gpt2", "qwen2")
 #: positions: Note [Sliding windows on a full static cache].
 SLIDING_ARCHITECTURES = ("mistral_sliding", "qwen2_sliding", "gemma3", "gpt_oss")
 
+#: Models whose layers mix Mamba2 (state-space) and attention: Note [Decoding a
+#: state-space model on graphs].
+HYBRID_ARCHITECTURES = ("granite_hybrid",)
+
 
 def tiny_model(arch, device="cpu", vocab=128, layers=2):
     """A 2-layer model of `arch` with GQA where the architecture has it, in eval mode."""
@@ -57,6 +61,15 @@ def tiny_model(arch, device="cpu", vocab=128, layers=2):
             num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
             attn_implementation="eager")
         model = transformers.GptOssForCausalLM(config)
+    elif arch == "granite_hybrid":
+        config = transformers.GraniteMoeHybridConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, shared_intermediate_size=128,
+            num_hidden_layers=2 * layers, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["mamba", "attention"] * layers, mamba_n_heads=8, mamba_d_head=16,
+            mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=8,
+            max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = transformers.GraniteMoeHybridForCausalLM(config)
     else:
         raise ValueError(arch)
     return model.to(device).eval()

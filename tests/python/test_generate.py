@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import graphed
-from generate_models import (ARCHITECTURES, SLIDING_ARCHITECTURES,
+from generate_models import (ARCHITECTURES, HYBRID_ARCHITECTURES, SLIDING_ARCHITECTURES,
                              assert_eos_and_min_new_tokens_follow_hf, hf_static_generate,
                              left_padded_prompts, tiny_model)
 
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES + SLIDING_ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + SLIDING_ARCHITECTURES + HYBRID_ARCHITECTURES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_tokens_equal_hf_static_cache(arch, batch):
     # Sliding windows: 7 prompt positions and 10 new tokens in windows of 8,
@@ -26,6 +26,8 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
     notes = model.__dict__["_graphed_decoder"].notes
     if arch in SLIDING_ARCHITECTURES:
         assert len(notes) == 1 and "sliding window of 8" in notes[0], notes
+    elif arch in HYBRID_ARCHITECTURES:
+        assert len(notes) == 1 and "2 of 4 layers" in notes[0], notes
     else:
         assert notes == []
 
@@ -242,7 +244,7 @@ class _NoHostReads:
 
 
 # gpt-oss left out: its experts' grouped GEMM reads offsets on the host off the GPU.
-@pytest.mark.parametrize("arch", ARCHITECTURES + SLIDING_ARCHITECTURES[:3])
+@pytest.mark.parametrize("arch", ARCHITECTURES + SLIDING_ARCHITECTURES[:3] + HYBRID_ARCHITECTURES)
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_adapters_prefill_and_step_read_nothing_on_the_host(arch, padded):
     """Note [A capturable prefill]: the HF adapter's prefill (with and without

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphed
-from generate_models import (ARCHITECTURES, SLIDING_ARCHITECTURES,
+from generate_models import (ARCHITECTURES, HYBRID_ARCHITECTURES, SLIDING_ARCHITECTURES,
                              assert_eos_and_min_new_tokens_follow_hf, hf_static_generate,
                              left_padded_prompts, tiny_model)
 
@@ -37,12 +37,27 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
     assert bool(decoder.notes) == (arch in SLIDING_FP32), decoder.notes
 
 
-def test_bf16_gpt_oss_alternating_sliding_and_full_layers_decodes_with_hf_tokens():
-    model = tiny_model("gpt_oss", "cuda").to(torch.bfloat16)
+@pytest.mark.parametrize("arch", ("gpt_oss",) + HYBRID_ARCHITECTURES)
+def test_bf16_experts_models_with_sliding_or_state_space_layers_decode_with_hf_tokens(arch):
+    # gpt-oss: sliding and full layers alternate, eager attention (Note [An
+    # eager-attention mask a graph can hold]); granite-moe-hybrid: Mamba2 and
+    # attention layers (Note [Decoding a state-space model on graphs]).
+    model = tiny_model(arch, "cuda").to(torch.bfloat16)
     ids, mask = left_padded_prompts(2, 9, model.config.vocab_size, "cuda")
     want = hf_static_generate(model, ids, mask, 24, max_cache_len=40)
     got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=24, max_cache_len=40)
     assert torch.equal(got, want)
+
+
+def test_fp32_experts_decode_on_graphed_grouped_gemm_and_say_so():
+    model = tiny_model("gpt_oss", "cuda")  # fp32 experts: host-read offsets in transformers
+    ids, mask = left_padded_prompts(2, 9, model.config.vocab_size, "cuda")
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=16, max_cache_len=32)
+    assert got.shape == (2, 25)
+    decoder = model.__dict__["_graphed_decoder"]
+    assert any("graphed_grouped_mm" in note for note in decoder.notes), decoder.notes
+    report = {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
+    assert report[2]["captured"] and report[2]["replays"] == 15
 
 
 @pytest.mark.parametrize("batch, padded", [(1, False), (8, False), (8, True)])

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import threading
 import inspect
+import sys
 from typing import Any, Optional
 
 import torch
@@ -71,11 +72,13 @@ def _causal_skip_from_shapes(q_length: int, kv_length: int, q_offset: Any,
 
 def install() -> None:
     """Installs the rules (idempotent): Note [transformers' mask rules under
-    capture], graphed.generate's prefill rule (Note [A capturable prefill]) and
-    Note [An eager-attention mask a graph can hold]."""
+    capture], graphed.generate's prefill rules (Note [A capturable prefill]:
+    the causal mask and the state-space layers' padding mask) and Note [An
+    eager-attention mask a graph can hold]."""
     from transformers import masking_utils
 
     _install_eager_mask(masking_utils)
+    _install_recurrent_mask(masking_utils)
 
     causal = masking_utils._ignore_causal_mask_sdpa
     if not getattr(causal, "_graphed_rule", False):
@@ -138,3 +141,37 @@ def _install_eager_mask(masking_utils: Any) -> None:
     eager_mask.__wrapped__ = eager
     masking_utils.eager_mask = eager_mask
     masking_utils.AttentionMaskInterface.register("eager", eager_mask)
+
+
+def _install_recurrent_mask(masking_utils: Any) -> None:
+    """The padding mask of state-space layers during graphed.generate's
+    prefills: transformers drops it when every token counts, deciding with
+    ``torch.all(attention_mask == 1)`` on the host; the decoder knows the answer
+    (no left padding) and gives it without the read, as Note [A capturable
+    prefill] does for the causal mask. Models import the function by name and
+    masking_utils maps layer kinds to it, so those references are replaced too."""
+    recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)
+    if recurrent is None or getattr(recurrent, "_graphed_rule", False):
+        return
+
+    def create_recurrent_attention_mask(config, inputs_embeds, attention_mask, *args, **kwargs):
+        padded = getattr(prefill_padding, "padded", None)
+        if padded is not None and attention_mask is not None and attention_mask.ndim == 2:
+            if not padded:
+                return None
+            if inputs_embeds.shape[1] > 1:  # transformers' answer for a mask with padding
+                return attention_mask[:, -inputs_embeds.shape[1]:].contiguous()
+        return recurrent(config, inputs_embeds, attention_mask, *args, **kwargs)
+
+    create_recurrent_attention_mask._graphed_rule = True
+    create_recurrent_attention_mask.__wrapped__ = recurrent
+    masking_utils.create_recurrent_attention_mask = create_recurrent_attention_mask
+    mapping = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    for table in [mapping] + [v for v in mapping.values() if isinstance(v, dict)]:
+        for key, value in table.items():
+            if value is recurrent:
+                table[key] = create_recurrent_attention_mask
+    for name, module in list(sys.modules.items()):
+        if (name.startswith("transformers.models.")
+                and getattr(module, "create_recurrent_attention_mask", None) is recurrent):
+            module.create_recurrent_attention_mask = create_recurrent_attention_mask
