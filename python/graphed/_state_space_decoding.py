@@ -128,10 +128,7 @@ class StateSpaceModel:
         return self._forward(input_ids, None)
 
     def step(self, args):
-        mark_previous_state(self.cache, True)
-        if self._compiled_step is None:
-            return self._eager_step(*args)
-        from .generate import _RECOMPILE_LIMIT
+        from .generate import _call_step
 
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return self._compiled_step(*args)
+        mark_previous_state(self.cache, True)
+        return _call_step(self._compiled_step, self._eager_step, args)

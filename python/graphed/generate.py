@@ -104,6 +104,15 @@ def _check_model(model):
 _RECOMPILE_LIMIT = 64
 
 
+def _call_step(compiled, eager, args):
+    """One decode step, compiled when the decoder was asked to; every bucket and
+    decoder recompiles (Note [A compiled decode step])."""
+    if compiled is None:
+        return eager(*args)
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        return compiled(*args)
+
+
 def _install_prefill_mask_rule():
     """Makes transformers' prefill mask rule capturable during graphed's prefills.
 
@@ -323,11 +332,7 @@ class _StaticCacheModel:
 
     def step(self, args):
         mark_previous_state(self.cache, True)
-        if self._compiled_step is None:
-            return self._eager_step(*args)
-        # Note [A compiled decode step]: every bucket and decoder recompiles.
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return self._compiled_step(*args)
+        return _call_step(self._compiled_step, self._eager_step, args)
 
 
 def _token_list(value):
