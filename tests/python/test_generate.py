@@ -114,6 +114,19 @@ def test_a_state_space_model_gives_hf_tokens(batch, padded):
     assert torch.equal(again, want[:1])
 
 
+def test_mamba_v1_gives_hf_tokens_too():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                      state_size=16)
+    model = transformers.MambaForCausalLM(config).eval()
+    ids = torch.randint(1, 127, (2, 7))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(graphed.generate(model, ids, max_new_tokens=8), want)
+
+
 def test_a_state_space_models_prefill_and_step_read_nothing_on_the_host():
     from graphed._state_space_decoding import StateSpaceModel
 
