@@ -62,15 +62,19 @@ def _error(message):
     return _C.GraphedError(message)
 
 
+def _static_cache_shape(model):
+    """(key/value heads, head size) of the model's StaticCache, or None when it
+    has none (a config without attention heads raises inside transformers)."""
+    try:
+        return model._get_static_cache_init_shape()
+    except AttributeError:
+        return None
+
+
 def _is_state_space(model):
     """A model that keeps recurrent states and no key/value cache at all (Mamba);
     a hybrid with attention layers decodes on the StaticCache adapter."""
-    if not getattr(model, "_is_stateful", False):
-        return False
-    try:
-        return model._get_static_cache_init_shape() is None
-    except AttributeError:  # a config without attention heads
-        return True
+    return bool(getattr(model, "_is_stateful", False)) and _static_cache_shape(model) is None
 
 
 def _check_model(model):
@@ -90,11 +94,7 @@ def _check_model(model):
                      f"the model with attn_implementation='sdpa'.")
     if _is_state_space(model):
         return  # its own adapter: Note [Decoding a state-space model on graphs]
-    try:
-        shape = model._get_static_cache_init_shape()
-    except AttributeError:  # a config without attention heads
-        shape = None
-    if not model._supports_default_dynamic_cache() or shape is None:
+    if not model._supports_default_dynamic_cache() or _static_cache_shape(model) is None:
         raise _error(f"{type(model).__name__} cannot use a StaticCache of one head count and "
                      f"head size per layer, which the decode graphs need. Use model.generate.")
 

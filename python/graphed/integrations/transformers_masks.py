@@ -43,9 +43,9 @@ values, and no copy. Outside captures transformers' function runs unchanged.
 
 from __future__ import annotations
 
-import threading
 import inspect
 import sys
+import threading
 from typing import Any, Optional
 
 import torch
