@@ -76,7 +76,8 @@ def test_a_state_space_model_decodes_on_graphs_with_hf_tokens(batch, padded):
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                               pad_token_id=0)
-    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=24)
+    # pad_token_id as HF was given it: rows that reach eos (2) are padded with it.
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0)
     assert torch.equal(got, want)
     decoder = model.__dict__["_graphed_decoder"]
     report = {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
@@ -108,6 +109,10 @@ def test_one_decoder_serves_batches_and_prompt_lengths():
 @pytest.mark.exclusive
 def test_capturing_every_bucket_is_fast_and_reports_memory():
     model = tiny_model("llama", "cuda")
+    with torch.no_grad():  # the CUDA context, cuBLAS and the kernels loaded: not capture's cost
+        model(torch.ones(32, 4, dtype=torch.long, device="cuda"))
+        model(torch.ones(1, 1, dtype=torch.long, device="cuda"))
+    torch.cuda.synchronize()
     started = time.perf_counter()
     decoder = graphed.Decoder(model, max_batch=32, max_len=160, capture=False)
     decoder.capture()
