@@ -151,6 +151,43 @@ def train_rows(entry: zoo_models.ZooModel, iters: int, repeats: int, steps: int
     return row
 
 
+#: The step most transformer training runs (issue 26): bf16 autocast over fp32
+#: weights and gradient clipping.
+USUAL_SETTINGS = {"amp": "bf16", "clip_grad_norm": 1.0}
+
+
+def usual_settings_rows(entry: zoo_models.ZooModel, iters: int, repeats: int
+                        ) -> Dict[str, Any]:
+    """optimize(..., **USUAL_SETTINGS) against TrainStep.from_parts with the same
+    settings, side by side: is optimize's step the one people run, as fast?"""
+    row: Dict[str, Any] = {"settings": dict(USUAL_SETTINGS)}
+    base_state = {k: v.detach().clone() for k, v in entry.model.state_dict().items()}
+    batch, loss_fn = entry.batch, entry.loss_fn
+    runs: Dict[str, Callable[[], Any]] = {}
+    model_ts, optimizer_ts = _fresh(entry, base_state)
+    try:
+        trainstep = graphed.TrainStep.from_parts(model_ts, optimizer_ts, loss_fn, batch,
+                                                 **USUAL_SETTINGS)
+        runs["trainstep"] = lambda: trainstep(batch)
+    except Exception as error:  # noqa: BLE001 - a result
+        row["trainstep_error"] = f"{type(error).__name__}: {error}"[:2000]
+    model_opt, optimizer_opt = _fresh(entry, base_state)
+    report = graphed.optimize(model_opt, optimizer_opt, loss_fn, sample_batch=batch,
+                              **USUAL_SETTINGS)
+    row["optimize_applied"] = bool(report.applied)
+    row["optimize_strategy"] = report.strategy
+    row["optimize_reason"] = report.reason
+    row["optimize_max_abs_diff"] = report.max_abs_diff
+    if report.applied:
+        runs["optimize"] = lambda: report.step(batch)
+    if runs:
+        for name, ms in measure.compare_ms(runs, iters=iters, repeats=repeats).items():
+            row[f"{name}_ms"] = round(ms, 4)
+    if "optimize_ms" in row and "trainstep_ms" in row:
+        row["optimize_vs_trainstep"] = round(row["optimize_ms"] / row["trainstep_ms"], 4)
+    return row
+
+
 def _outputs(value: Any) -> List[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -233,6 +270,8 @@ def run(quick: bool = False, models: Optional[List[str]] = None) -> Dict[str, An
                           is_transformer=entry.is_transformer)
             record.update(train_rows(entry, iters, repeats, steps))
             record.update(inference_rows(entry, iters, repeats))
+            if entry.is_transformer:
+                record["usual_settings"] = usual_settings_rows(entry, iters, repeats)
         except Exception:  # noqa: BLE001 - one broken model must not hide the others
             record["error"] = traceback.format_exc()[-4000:]
             traceback.print_exc()

@@ -31,4 +31,17 @@ def markdown(zoo: Dict[str, Any]) -> str:
         lines.append(f"| {name} | {ms(r, 'infer_eager_ms')} | {ms(r, 'infer_capture_ms')} | "
                      f"{ms(r, 'infer_cycle_eager_ms')} | {ms(r, 'infer_cycle_auto_ms')} | "
                      f"{r.get('infer_auto_graphs', '-')} | {ms(r, 'infer_auto_graph_mb')} |")
+    usual = {name: r["usual_settings"] for name, r in zoo["models"].items()
+             if isinstance(r.get("usual_settings"), dict)}
+    if usual:
+        lines += ["", "### zoo: the usual step (bf16 autocast, clip 1.0; ms per step)", "",
+                  "| model | TrainStep.from_parts | optimize | optimize / TrainStep | "
+                  "strategy | max abs diff |", "|---|---:|---:|---:|---|---:|"]
+        for name, u in usual.items():
+            strategy = u.get("optimize_strategy") if u.get("optimize_applied") else (
+                f"not applied: {u.get('optimize_reason', '-')}")
+            diff = u.get("optimize_max_abs_diff")
+            lines.append(f"| {name} | {ms(u, 'trainstep_ms')} | {ms(u, 'optimize_ms')} | "
+                         f"{u.get('optimize_vs_trainstep', '-')} | {strategy} | "
+                         f"{diff if diff is not None else '-'} |")
     return "\n".join(lines) + "\n"

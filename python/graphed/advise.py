@@ -23,7 +23,7 @@ from . import _C
 from ._C import GraphedError
 from ._state import Snapshot, describe, first_cuda_device, tensor_shapes
 from .check import check as _check
-from .train import batch_loss, check_batch_form, training_iteration
+from .train import StepSettings, batch_loss, check_batch_form, split_batch, training_iteration
 
 
 @dataclass
@@ -324,25 +324,58 @@ def advise(fn: Callable[..., Any], *args: Any, other_inputs: Sequence[Any] = (),
                           check_verdict=report.verdict)
 
 
+def step_settings(settings: Any = None) -> StepSettings:
+    """``settings`` as StepSettings: None is the plain step, a string is an
+    ``amp`` setting (the form these functions took before they took more)."""
+    if settings is None or isinstance(settings, str):
+        return StepSettings(amp=settings)
+    if not isinstance(settings, StepSettings):
+        raise GraphedError(f"Expected StepSettings, an amp string or None, got "
+                           f"{type(settings).__name__}.")
+    return settings
+
+
 def eager_training_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                         loss_fn: Optional[Callable[..., torch.Tensor]],
-                        amp: Optional[str] = None) -> Callable[[Any], torch.Tensor]:
-    """The usual eager step: ``zero_grad()``, forward, loss, backward, ``step()``;
-    the batch in any form of Note [Batch forms] (python/graphed/train.py),
-    the forward called as the user would (no arguments added). ``amp="bf16"``:
-    forward and loss under bf16 autocast, as TrainStep's ``amp="bf16"``."""
-    if amp not in (None, "bf16"):
-        raise GraphedError(f'Expected amp to be None or "bf16" for an eager reference step, '
-                           f'got {amp!r}. fp16 needs loss scaling: use '
-                           'graphed.TrainStep.from_parts(..., amp="fp16").')
+                        settings: Any = None) -> Callable[[Any], torch.Tensor]:
+    """The usual eager step, in plain PyTorch: ``zero_grad()``, then per
+    microbatch forward, loss divided by the number of microbatches and
+    backward; with ``skip_nonfinite`` nothing more (the model's buffers put
+    back) when the loss or a gradient is not finite; clipping with
+    ``torch.nn.utils.clip_grad_norm_``; ``step()``. Returns the mean loss.
+    The batch is in any form of Note [Batch forms] (python/graphed/train.py),
+    split as TrainStep splits it, the forward called as the user would (no
+    arguments added). ``settings``: StepSettings, or None, or an ``amp``
+    string ("bf16": forward and loss under bf16 autocast, as TrainStep's)."""
+    settings = step_settings(settings)
+    parts = settings.microbatches
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    buffers = list(model.buffers())
 
     def step(batch: Any) -> torch.Tensor:
         optimizer.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp == "bf16"):
-            loss = batch_loss(model, loss_fn, batch)
-        loss.backward()
+        saved = [b.detach().clone() for b in buffers] if settings.skip_nonfinite else []
+        total: Optional[torch.Tensor] = None
+        for part in split_batch(batch, parts):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=settings.amp == "bf16"):
+                loss = batch_loss(model, loss_fn, part)
+            loss = loss.float() / parts if parts > 1 else loss
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        if settings.skip_nonfinite:
+            grads = [p.grad for p in params if p.grad is not None]
+            finite = bool(torch.isfinite(total).all()) and all(
+                bool(torch.isfinite(g).all()) for g in grads)
+            if not finite:
+                with torch.no_grad():
+                    for buffer, value in zip(buffers, saved):
+                        buffer.copy_(value)
+                return total
+        if settings.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, settings.clip_grad_norm)
         optimizer.step()
-        return loss.detach()
+        return total
 
     step.__qualname__ = f"eager step of {type(model).__name__}"
     return step
@@ -363,7 +396,9 @@ def _copies(model: nn.Module, optimizer: torch.optim.Optimizer
 def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                     loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any, *,
                     settings: Optional[ProfileSettings] = None,
-                    amp: Optional[str] = None) -> Advice:
+                    amp: Optional[str] = None, microbatches: int = 1,
+                    clip_grad_norm: Optional[float] = None,
+                    skip_nonfinite: bool = False) -> Advice:
     """Advice on capturing a whole training iteration with graphed.TrainStep.
 
     The trace is of the iteration TrainStep.from_parts captures (gradients
@@ -371,8 +406,9 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
     on copies of ``model`` and ``optimizer``, so the prediction is of what the
     graph will run; the eager time is of the usual step (``zero_grad()``,
     forward, backward, ``step()``) with ``optimizer`` as configured, on other
-    copies. ``model`` and ``optimizer`` are not touched. ``amp="bf16"``: both
-    under bf16 autocast (TrainStep's ``amp``).
+    copies. ``model`` and ``optimizer`` are not touched. ``amp``,
+    ``microbatches``, ``clip_grad_norm`` and ``skip_nonfinite`` are
+    TrainStep.from_parts' settings (StepSettings), given to both steps.
     ``sample_batch`` is ``(inputs, targets)``, or a dict of model arguments
     (``loss_fn=None``: the model's own loss); see Note [Batch forms] in
     python/graphed/train.py.
@@ -385,6 +421,8 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``advice.check_false_findings`` lists what the capture never met.
     """
     _require_gpu("graphed.advise_training")
+    step = StepSettings(amp=amp, microbatches=microbatches, clip_grad_norm=clip_grad_norm,
+                        skip_nonfinite=skip_nonfinite)
     settings = settings or ProfileSettings()
     check_batch_form(sample_batch, loss_fn)
     device = first_cuda_device(sample_batch, model) or torch.device(
@@ -393,7 +431,7 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
     trial: Optional[TrialCapture] = None
     try:
         eager_model, eager_optimizer = _copies(model, optimizer)
-        eager = eager_training_step(eager_model, eager_optimizer, loss_fn, amp)
+        eager = eager_training_step(eager_model, eager_optimizer, loss_fn, step)
         for _ in range(settings.warmup):
             eager(sample_batch)
         eager_ms = _C.time_ms(lambda: eager(sample_batch), settings.timed_iters,
@@ -401,10 +439,10 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
 
         graph_model, graph_optimizer = _copies(model, optimizer)
         iteration, _ = training_iteration(graph_model, graph_optimizer, loss_fn, sample_batch,
-                                          amp=amp)
+                                          **step.from_parts_kwargs())
         report = _check(iteration, sample_batch)
         if report.verdict == "try_capture":
-            trial = _trial_training_capture(model, optimizer, loss_fn, sample_batch, report, amp)
+            trial = _trial_training_capture(model, optimizer, loss_fn, sample_batch, report, step)
         blockers = _blockers_after_trial(report, trial)
         between, module_graphs = (_locate_blockers(lambda: iteration(sample_batch), [graph_model])
                                   if blockers else (False, 0))
@@ -422,7 +460,8 @@ def advise_training(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _trial_training_capture(model: nn.Module, optimizer: torch.optim.Optimizer,
                             loss_fn: Optional[Callable[..., torch.Tensor]], sample_batch: Any,
-                            report: Any, amp: Optional[str] = None) -> TrialCapture:
+                            report: Any, step: Optional[StepSettings] = None
+                            ) -> TrialCapture:
     """TrainStep.from_parts on copies of ``model`` and ``optimizer``, released
     at once: does the step capture although graphed.check found something?"""
     from .train import TrainStep
@@ -431,7 +470,7 @@ def _trial_training_capture(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     def capture_once() -> None:
         TrainStep.from_parts(trial_model, trial_optimizer, loss_fn, sample_batch,
-                             amp=amp).release()
+                             **step_settings(step).from_parts_kwargs()).release()
 
     try:
         return _try_capture(capture_once, [f.to_dict() for f in report.findings])

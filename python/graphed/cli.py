@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import traceback
-from typing import List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO
 
 from ._progress import Progress
 
@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
         "imported, raises or returns something else, or the workload raises).",
     )
     check.add_argument("factory", metavar="MODULE:FACTORY",
-                       help="e.g. my_pkg.workloads:make_step (the current directory is importable)")
+                       help="e.g. my_pkg.workloads:make_step (the current directory is "
+                            "importable) or path/to/train.py:make_step")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
 
     workload_help = ("FACTORY returns an inference workload (fn, args) or (fn, args, kwargs), or a "
@@ -95,11 +96,24 @@ def _parser() -> argparse.ArgumentParser:
     for command in (advise, optimize):
         command.add_argument("factory", metavar="MODULE:FACTORY",
                              help="e.g. my_pkg.workloads:make_step (the current directory is "
-                                  "importable)")
+                                  "importable) or path/to/train.py:make_step")
         command.add_argument("--json", action="store_true", help="print the report as JSON")
         command.add_argument("--plot", metavar="FILE",
                              help="write a PNG timeline of GPU busy and idle time, eager against "
                                   "graphed (predicted for advise, measured for optimize)")
+        # The settings of TrainStep.from_parts (graphed.train.StepSettings), training only.
+        command.add_argument("--amp", choices=["bf16"],
+                             help="training: forward and loss under bf16 autocast (fp32 "
+                                  "master weights)")
+        command.add_argument("--microbatches", type=int, default=1, metavar="N",
+                             help="training: split the batch into N microbatches along dim 0 "
+                                  "and accumulate their gradients")
+        command.add_argument("--clip-grad-norm", type=float, metavar="MAX_NORM",
+                             help="training: clip the gradients to this global norm before "
+                                  "the optimizer step")
+        command.add_argument("--skip-nonfinite", action="store_true",
+                             help="training: a step whose loss or gradients are not finite "
+                                  "changes nothing")
     bench = commands.add_parser(
         "bench",
         help="predicted against measured graphed time on the DESIGN.md workloads",
@@ -148,11 +162,40 @@ def _workload_raised(command: str, spec: str, error: Exception, err: TextIO) -> 
     return 2
 
 
-def _run_advise(spec: str, as_json: bool, plot: Optional[str], out: TextIO, err: TextIO) -> int:
+def _step_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The training step's settings given on the command line (StepSettings' fields)."""
+    return {"amp": args.amp, "microbatches": args.microbatches,
+            "clip_grad_norm": args.clip_grad_norm, "skip_nonfinite": args.skip_nonfinite}
+
+
+def _options_fit(command: str, spec: str, workload: Any, step: Dict[str, Any],
+                 err: TextIO) -> bool:
+    """Training settings need a training workload: says so and returns False otherwise."""
+    from .factory import TrainingWorkload
+    from .train import StepSettings
+
+    try:
+        settings = StepSettings(**step)
+    except Exception as error:  # noqa: BLE001 - a GraphedError naming the option
+        print(f"graphed {command}: {error}", file=err)
+        return False
+    if settings != StepSettings() and not isinstance(workload, TrainingWorkload):
+        print(f"graphed {command}: {settings.describe()} applies to training workloads; factory "
+              f"{spec!r} returned an inference workload (fn, args). Return (model, optimizer, "
+              "loss_fn, batch), or drop the training options.", file=err)
+        return False
+    return True
+
+
+def _run_advise(spec: str, as_json: bool, plot: Optional[str], out: TextIO, err: TextIO,
+                step: Optional[Dict[str, Any]] = None) -> int:
     from .factory import TrainingWorkload
 
+    step = step or {}
     workload = _load("advise", spec, err)
     if workload is None:
+        return 2
+    if not _options_fit("advise", spec, workload, step, err):
         return 2
     if not _need_gpu("advise", err):
         return 2
@@ -163,7 +206,7 @@ def _run_advise(spec: str, as_json: bool, plot: Optional[str], out: TextIO, err:
         progress("check and profile")
         if isinstance(workload, TrainingWorkload):
             advice = advise_training(workload.model, workload.optimizer, workload.loss_fn,
-                                     workload.batch)
+                                     workload.batch, **step)
         else:
             advice = advise(workload.fn, *workload.args, **workload.kwargs)
     except Exception as error:  # noqa: BLE001 - the workload is the user's code
@@ -196,11 +239,14 @@ def _emit(result, spec: str, plot: Optional[str], as_json: bool, out: TextIO) ->
 
 
 def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
-                  err: TextIO) -> int:
+                  err: TextIO, step: Optional[Dict[str, Any]] = None) -> int:
     from .factory import TrainingWorkload
 
+    step = step or {}
     workload = _load("optimize", spec, err)
     if workload is None:
+        return 2
+    if not _options_fit("optimize", spec, workload, step, err):
         return 2
     if not _need_gpu("optimize", err):
         return 2
@@ -209,7 +255,7 @@ def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
     progress = Progress(6, "graphed optimize", file=err)
     if isinstance(workload, TrainingWorkload):
         report = optimize(workload.model, workload.optimizer, workload.loss_fn,
-                          sample_batch=workload.batch, progress=progress)
+                          sample_batch=workload.batch, progress=progress, **step)
     elif workload.kwargs:
         progress.close()
         print(f"graphed optimize: factory {spec!r} returned keyword arguments "
@@ -295,9 +341,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "check":
         return _run_check(args.factory, args.json, sys.stdout, sys.stderr)
     if args.command == "advise":
-        return _run_advise(args.factory, args.json, args.plot, sys.stdout, sys.stderr)
+        return _run_advise(args.factory, args.json, args.plot, sys.stdout, sys.stderr,
+                           _step_options(args))
     if args.command == "optimize":
-        return _run_optimize(args.factory, args.json, args.plot, sys.stdout, sys.stderr)
+        return _run_optimize(args.factory, args.json, args.plot, sys.stdout, sys.stderr,
+                             _step_options(args))
     if args.command == "bench":
         return _run_bench(args.workloads, args.json, args.plot_dir, args.quick, sys.stdout,
                           sys.stderr)

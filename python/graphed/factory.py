@@ -1,4 +1,5 @@
-"""Workload factories of the command line: ``MODULE:FACTORY`` names a callable that builds the workload."""
+"""Workload factories of the command line: ``MODULE:FACTORY`` (or ``path/to/file.py:FACTORY``)
+names a callable that builds the workload."""
 
 from __future__ import annotations
 
@@ -54,27 +55,63 @@ def load_workload(spec: str) -> Workload:
     return _as_workload(spec, result, _EXPECTED)
 
 
+def _import_file(path: str, spec: str, attribute: str, expected: str) -> Any:
+    """The module of a factory named by its file (``path/to/train.py:make_step``),
+    imported as ``python path/to/train.py`` would run it: its directory first on
+    sys.path, so that the file's own imports of its neighbours work."""
+    import importlib.util
+
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise FactoryError(
+            f"cannot import factory {spec!r}: there is no file {full!r}. Name an existing "
+            f"Python file, or a module (my_pkg.workloads:{attribute}), that defines "
+            f"{attribute!r} ({expected}).")
+    directory = os.path.dirname(full)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    name = os.path.splitext(os.path.basename(full))[0]
+    module_spec = importlib.util.spec_from_file_location(name, full)
+    if module_spec is None or module_spec.loader is None:
+        raise FactoryError(
+            f"cannot import factory {spec!r}: {full!r} is not a Python source file Python can "
+            f"load. Name a .py file that defines {attribute!r} ({expected}).")
+    module = importlib.util.module_from_spec(module_spec)
+    previous = sys.modules.get(name)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's to see
+        if previous is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = previous
+        raise FactoryError(
+            f"cannot import file {full!r} of factory {spec!r}: {type(error).__name__}: {error}. "
+            f"It must run as a module and define {attribute!r} ({expected}).",
+            traceback.format_exc(),
+        ) from error
+    return module
+
+
+def _is_file_spec(module_name: str) -> bool:
+    return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+
+
 def _call_factory(spec: str, expected: str) -> Any:
-    module_name, colon, attribute = spec.partition(":")
+    # The last colon: a Windows path's drive letter has one too.
+    module_name, colon, attribute = spec.rpartition(":")
     if not colon or not module_name or not attribute:
         raise FactoryError(
-            f"expected MODULE:FACTORY, e.g. my_pkg.workloads:make_step, got {spec!r}; {expected}"
+            f"expected MODULE:FACTORY or FILE.py:FACTORY, e.g. my_pkg.workloads:make_step or "
+            f"path/to/train.py:make_step, got {spec!r}; {expected}"
         )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - any import failure is the user's to see
-        # A module that is not there needs no traceback; one that fails while importing does.
-        missing = isinstance(error, ModuleNotFoundError) and error.name is not None and (
-            module_name == error.name or module_name.startswith(error.name + ".")
-        )
-        raise FactoryError(
-            f"cannot import module {module_name!r} of factory {spec!r}: "
-            f"{type(error).__name__}: {error}. The module must be importable from the current "
-            f"directory or PYTHONPATH, and define {attribute!r} there ({expected}).",
-            "" if missing else traceback.format_exc(),
-        ) from error
+    if _is_file_spec(module_name):
+        module = _import_file(module_name, spec, attribute, expected)
+    else:
+        module = _import_module(module_name, spec, attribute, expected)
     factory: Any = module
     for part in attribute.split("."):
         if not hasattr(factory, part):
@@ -95,6 +132,22 @@ def _call_factory(spec: str, expected: str) -> Any:
             f"factory {spec!r} raised {type(error).__name__}: {error}; it should build the "
             f"workload ({expected})",
             traceback.format_exc(),
+        ) from error
+
+
+def _import_module(module_name: str, spec: str, attribute: str, expected: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's to see
+        # A module that is not there needs no traceback; one that fails while importing does.
+        missing = isinstance(error, ModuleNotFoundError) and error.name is not None and (
+            module_name == error.name or module_name.startswith(error.name + ".")
+        )
+        raise FactoryError(
+            f"cannot import module {module_name!r} of factory {spec!r}: "
+            f"{type(error).__name__}: {error}. The module must be importable from the current "
+            f"directory or PYTHONPATH, and define {attribute!r} there ({expected}).",
+            "" if missing else traceback.format_exc(),
         ) from error
 
 

@@ -23,7 +23,8 @@ from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
                      advise_training, eager_training_step, format_advice)
 from .capture import capture
-from .train import TrainStep, batch_loss, check_batch_form, training_state
+from .train import (StepSettings, TrainStep, batch_loss, check_batch_form, split_batch,
+                    training_state)
 
 Progress = Callable[[str], None]
 
@@ -58,8 +59,9 @@ def _capture_whole(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[Calla
 
 
 def _train_whole(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                 batch: Any, amp: Optional[str] = None) -> Tuple[Callable, Undo]:
-    return TrainStep.from_parts(model, optimizer, loss_fn, batch, amp=amp), _nothing
+                 batch: Any, step: StepSettings) -> Tuple[Callable, Undo]:
+    return TrainStep.from_parts(model, optimizer, loss_fn, batch,
+                                **step.from_parts_kwargs()), _nothing
 
 
 def _graph_modules(model: nn.Module, run_once: Callable[[], Any],
@@ -103,13 +105,15 @@ def _per_module(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[Callable
 
 def _train_per_module(model: nn.Module, optimizer: torch.optim.Optimizer,
                       loss_fn: Optional[Callable], batch: Any,
-                      amp: Optional[str] = None) -> Tuple[Callable, Undo]:
-    def run_once() -> Any:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp == "bf16"):
-            return batch_loss(model, loss_fn, batch)
+                      step: StepSettings) -> Tuple[Callable, Undo]:
+    sample = split_batch(batch, step.microbatches)[0]  # the shapes the modules will see
 
-    undo = _graph_modules(model, run_once, amp)
-    return eager_training_step(model, optimizer, loss_fn, amp), undo
+    def run_once() -> Any:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=step.amp == "bf16"):
+            return batch_loss(model, loss_fn, sample)
+
+    undo = _graph_modules(model, run_once, step.amp)
+    return eager_training_step(model, optimizer, loss_fn, step), undo
 
 
 @dataclass
@@ -132,13 +136,13 @@ def _no_inference_per_block(fn: Callable[..., Any], args: Tuple[Any, ...]
 
 def _train_per_block(model: nn.Module, optimizer: torch.optim.Optimizer,
                      loss_fn: Optional[Callable], batch: Any,
-                     amp: Optional[str] = None) -> Tuple[Callable, Undo]:
+                     step_settings: StepSettings) -> Tuple[Callable, Undo]:
     """graphed.auto on the model, the optimizer eager: Note [Per-block graphs
     when the step cannot be captured]."""
     import graphed
 
     graphed.auto(model)
-    step = eager_training_step(model, optimizer, loss_fn, amp)
+    step = eager_training_step(model, optimizer, loss_fn, step_settings)
     step.notes = graphed.auto_stats(model)["notes"]  # type: ignore[attr-defined]
     step.auto_model = model  # type: ignore[attr-defined]
     return step, lambda: graphed.auto_undo(model)
@@ -194,6 +198,9 @@ class OptimizeReport:
     rtol: float = 1e-3
     atol: float = 1e-4
     verify_steps: int = 0
+    #: Training form: the step's settings (StepSettings' fields: amp,
+    #: microbatches, clip_grad_norm, skip_nonfinite), as verified and applied.
+    step_settings: Dict[str, Any] = field(default_factory=dict)
     #: graphed.check's findings that a trial capture never met (Note [Capture
     #: is the verdict] in src/safety_check.cpp): false alarms on this model.
     check_false_findings: List[Dict[str, Any]] = field(default_factory=list)
@@ -237,7 +244,7 @@ class OptimizeReport:
             "error": self.error, "eager_ms": self.eager_ms, "graphed_ms": self.graphed_ms,
             "speedup": self.speedup, "prediction_error": self.prediction_error,
             "max_abs_diff": self.max_abs_diff, "rtol": self.rtol, "atol": self.atol,
-            "verify_steps": self.verify_steps,
+            "verify_steps": self.verify_steps, "step_settings": self.step_settings,
             "check_false_findings": self.check_false_findings, "notes": self.notes,
             "parts": self.parts,
             "advice": self.advice.to_dict() if self.advice is not None else None,
@@ -265,6 +272,8 @@ class OptimizeReport:
         if self.max_abs_diff is not None:
             what = f"{self.verify_steps} steps: losses and parameters" if self.training \
                 else "outputs"
+            if self.training and self.step_settings:
+                what += ", " + StepSettings(**self.step_settings).describe()
             rows.append((f"numerics vs eager ({what})",
                          f"max |diff| {self.max_abs_diff:.3g} (rtol {self.rtol:g}, "
                          f"atol {self.atol:g})"))
@@ -451,7 +460,9 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
              rtol: float = 1e-3, atol: float = 1e-4, verify_steps: int = 3,
              force: bool = False, settings: Optional[ProfileSettings] = None,
              progress: Union[Progress, bool, None] = None,
-             amp: Optional[str] = None) -> OptimizeReport:
+             amp: Optional[str] = None, microbatches: int = 1,
+             clip_grad_norm: Optional[float] = None,
+             skip_nonfinite: bool = False) -> OptimizeReport:
     """Make ``model`` (or a training step of it) run as CUDA graphs, if that pays.
 
     Inference form, ``optimize(model, sample_batch=x)``: ``model`` is a module or
@@ -475,9 +486,17 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     side by side; report. ``report.notes`` says what graphed changed to apply
     graphs (``use_cache=False`` in a transformers training step).
 
-    ``amp="bf16"`` (training form): forward and loss under bf16 autocast,
-    the weights and optimizer as they are (fp32 master weights, the usual
-    mixed precision), in the eager reference and in the graphs alike.
+    Training form, the step's settings, as :meth:`graphed.TrainStep.from_parts`
+    takes them, in the eager reference and in the graphs alike (the eager
+    reference is plain PyTorch: graphed.advise.eager_training_step):
+    ``amp="bf16"``, forward and loss under bf16 autocast, the weights and
+    optimizer as they are (fp32 master weights, the usual mixed precision);
+    ``microbatches``, the batch split along dim 0 and the gradients
+    accumulated; ``clip_grad_norm``, ``torch.nn.utils.clip_grad_norm_``'s
+    clipping before the optimizer step; ``skip_nonfinite``, a step whose loss
+    or gradients are not finite changes nothing. LR schedulers work on the
+    optimizer afterwards as on TrainStep's (its learning rate is a device
+    tensor they update in place).
 
     Returns an :class:`OptimizeReport`, true when graphs were applied: use
     ``report.fn(*args)`` or ``report.step(batch)``. When anything fails, the
@@ -500,13 +519,12 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
                 "The training form is optimize(model, optimizer, loss_fn, sample_batch=(inputs, "
                 f"targets)) with an nn.Module model; got model {type(model).__name__}.")
         check_batch_form(sample_batch, loss_fn)
-    if amp not in (None, "bf16"):
-        raise GraphedError(f'Expected amp to be None or "bf16", got {amp!r}. fp16 autocast '
-                           'needs loss scaling: use graphed.TrainStep.from_parts(..., '
-                           'amp="fp16").')
-    if amp is not None and optimizer is None:
-        raise GraphedError("amp= applies to the training form of optimize (with an optimizer); "
-                           "for inference, call optimize inside torch.autocast instead.")
+    step = StepSettings(amp=amp, microbatches=microbatches, clip_grad_norm=clip_grad_norm,
+                        skip_nonfinite=skip_nonfinite)
+    if optimizer is None and step != StepSettings():
+        raise GraphedError(
+            f"{step.describe()} applies to the training form of optimize (with an optimizer); "
+            "for inference, call optimize inside torch.autocast instead of passing amp.")
     bar: Optional[_progress.Progress] = None
     if progress is None or progress is True:
         bar = _progress.Progress(4 if optimizer is None else 5, "graphed.optimize",
@@ -523,7 +541,7 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
             report = _optimize_inference(model, sample_batch, rtol, atol, force, settings, stages)
         else:
             report = _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol,
-                                        verify_steps, force, settings, stages, amp)
+                                        verify_steps, force, settings, stages, step)
     finally:
         if bar is not None:
             bar.close()
@@ -602,15 +620,16 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
 def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                        loss_fn: Callable[..., torch.Tensor], batch: Any, rtol: float,
                        atol: float, verify_steps: int, force: bool, settings: ProfileSettings,
-                       progress: Progress, amp: Optional[str] = None) -> OptimizeReport:
+                       progress: Progress, step_settings: StepSettings) -> OptimizeReport:
     report = OptimizeReport(f"training step of {describe(model)}", training=True, rtol=rtol,
-                            atol=atol, verify_steps=verify_steps)
+                            atol=atol, verify_steps=verify_steps,
+                            step_settings=step_settings.from_parts_kwargs())
     snapshot = Snapshot(model, optimizer)
     undo: Undo = _nothing
     try:
         progress("check and advise")
         report.advice = advise_training(model, optimizer, loss_fn, batch, settings=settings,
-                                        amp=amp)
+                                        **step_settings.from_parts_kwargs())
         report.check_false_findings = list(report.advice.check_false_findings)
         whole_step_blocked: Optional[str] = None
         try:
@@ -634,14 +653,15 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         # compares graphs with eager, not one GEMM with another, which routing
         # to experts would turn into other experts within a few steps.
         capturable_experts(reference_model)
-        eager = eager_training_step(reference_model, reference_optimizer, loss_fn, amp)
+        eager = eager_training_step(reference_model, reference_optimizer, loss_fn,
+                                    step_settings)
         rng = RngSnapshot()
         expected_losses = [eager(batch) for _ in range(steps)]
         expected_params = [p.detach().clone() for p in reference_model.parameters()]
         rng.restore()
 
         progress(f"apply {report.strategy}")
-        step, undo = strategy.training(model, optimizer, loss_fn, batch, amp)
+        step, undo = strategy.training(model, optimizer, loss_fn, batch, step_settings)
         report.notes = list(getattr(step, "notes", []))
         guard_state = step.guard.state() if getattr(step, "guard", None) is not None else []
         captured = _StepSnapshot(model, optimizer, guard_state,

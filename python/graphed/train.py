@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -395,6 +396,57 @@ def training_iteration(model: nn.Module, optimizer: torch.optim.Optimizer,
     iteration.__qualname__ = f"TrainStep.from_parts({type(model).__name__})"
     iteration.notes = notes  # type: ignore[attr-defined]
     return iteration, core.guard
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How a training step runs beyond its model, optimizer, loss and batch:
+    the settings of :meth:`TrainStep.from_parts` that graphed.optimize and
+    graphed.advise_training take too, so that they verify and predict the step
+    the user trains with (bf16 autocast, clipping, gradient accumulation, a
+    non-finite guard), against an eager step with the same settings
+    (graphed.advise.eager_training_step). fp16 autocast is not among them: its
+    eager reference would need torch.amp.GradScaler's loss scaling, which
+    graphed's in-graph scaling does not reproduce step for step."""
+
+    #: None, or "bf16": forward and loss under bf16 autocast, weights as they are.
+    amp: Optional[str] = None
+    #: The batch split into this many microbatches along dim 0 (gradient accumulation).
+    microbatches: int = 1
+    #: Gradients clipped to this global norm before the optimizer step.
+    clip_grad_norm: Optional[float] = None
+    #: A step whose loss or gradients are not finite changes nothing.
+    skip_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.amp not in (None, "bf16"):
+            raise GraphedError(
+                f'Expected amp to be None or "bf16", got {self.amp!r}. fp16 autocast needs '
+                'loss scaling, whose eager reference (torch.amp.GradScaler) graphed does not '
+                'reproduce step for step: use graphed.TrainStep.from_parts(..., amp="fp16").')
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or \
+                self.microbatches < 1:
+            raise GraphedError(f"Expected microbatches to be an int >= 1, got "
+                               f"{self.microbatches!r}. Pass the number of microbatches the "
+                               "batch splits into along dim 0.")
+        if self.clip_grad_norm is not None and not (
+                isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
+            raise GraphedError(f"Expected clip_grad_norm to be None or a positive number, got "
+                               f"{self.clip_grad_norm!r}.")
+        if not isinstance(self.skip_nonfinite, bool):
+            raise GraphedError(f"Expected skip_nonfinite to be a bool, got "
+                               f"{self.skip_nonfinite!r}.")
+
+    def from_parts_kwargs(self) -> Dict[str, Any]:
+        """The keyword arguments of TrainStep.from_parts for these settings."""
+        return {"amp": self.amp, "microbatches": self.microbatches,
+                "clip_grad_norm": self.clip_grad_norm, "skip_nonfinite": self.skip_nonfinite}
+
+    def describe(self) -> str:
+        """The settings that differ from the plain step, as keyword arguments."""
+        plain = StepSettings()
+        return ", ".join(f"{k}={v!r}" for k, v in self.from_parts_kwargs().items()
+                         if v != getattr(plain, k)) or "the plain step"
 
 
 class TrainStep:

@@ -2,6 +2,7 @@
 is sane, optimize ends faster than eager with matching numerics, and a failed
 optimize leaves model and optimizer exactly as they were."""
 
+import copy
 import json
 import os
 import subprocess
@@ -152,6 +153,33 @@ def test_failed_optimize_restores_model_and_optimizer_exactly():
     assert report.reason, "a failed optimize says why"
     assert_same_state(before, state_of(model, optimizer))
     assert optimizer.param_groups[0]["lr"] == 1e-4 and not optimizer.param_groups[0]["fused"]
+
+
+def test_optimize_takes_the_step_people_run_and_verifies_it_against_that_step():
+    # bf16 autocast over fp32 weights, clipping, accumulation and a non-finite
+    # guard (issue 26): applied, verified against the plain PyTorch step with
+    # the same settings, and the step it returns is TrainStep.from_parts' own.
+    model, optimizer, batch = gpt_parts()
+    initial = [p.detach().clone() for p in model.parameters()]
+    settings = {"amp": "bf16", "clip_grad_norm": 1.0, "microbatches": 2, "skip_nonfinite": True}
+    report = graphed.optimize(model, optimizer, workloads.gpt_loss, sample_batch=batch,
+                              settings=QUICK, **settings)
+    assert report.applied, str(report)
+    assert report.strategy == "full_capture"
+    assert report.step_settings == settings
+    assert "amp='bf16', microbatches=2, clip_grad_norm=1.0, skip_nonfinite=True" in str(report)
+    assert report.max_abs_diff <= 1e-3
+    for p, q in zip(model.parameters(), initial):
+        assert torch.equal(p, q)
+    from graphed.advise import eager_training_step
+    from graphed.train import StepSettings
+
+    reference, reference_optimizer = copy.deepcopy((model, optimizer))
+    eager = eager_training_step(reference, reference_optimizer, workloads.gpt_loss,
+                                StepSettings(**settings))
+    for _ in range(3):
+        got, want = report.step(batch), eager(batch)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-4)
 
 
 def test_optimize_refuses_blockers_inside_modules_and_changes_nothing():

@@ -142,3 +142,20 @@ def test_help_describes_the_exit_codes(capsys, command, phrase):
     assert phrase in " ".join(result.stdout.split())
     if command != "bench":
         assert "--plot FILE" in result.stdout and "--json" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["advise", "optimize"])
+def test_training_options_on_an_inference_workload_exit_2(workloads, capsys, command):
+    result = main(capsys, command, "my_workloads:inference", "--clip-grad-norm", "1.0",
+                  "--microbatches", "2")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (f"graphed {command}: microbatches=2, clip_grad_norm=1.0 applies to training "
+            "workloads; factory 'my_workloads:inference' returned an inference workload"
+            in result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("command", ["advise", "optimize"])
+def test_bad_training_options_exit_2_with_the_setting(workloads, capsys, command):
+    result = main(capsys, command, "my_workloads:training", "--microbatches", "0")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Expected microbatches to be an int >= 1, got 0" in result.stderr

@@ -103,9 +103,33 @@ def test_the_current_directory_is_importable(workloads, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_a_factory_named_by_its_file_imports_its_neighbours(workloads, tmp_path):
+    # As `python path/to/train.py` runs it: the file's directory is importable.
+    (workloads / "train.py").write_text("from my_workloads import clean, blocked\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = run_check(elsewhere, f"{workloads / 'train.py'}:clean", cwd=elsewhere)
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_check(elsewhere, f"{workloads / 'train.py'}:blocked", cwd=elsewhere)
+    assert result.returncode == 1, result.stdout + result.stderr
+    relative = os.path.relpath(workloads / "train.py", elsewhere)
+    result = run_check(elsewhere, f"{relative}:clean", cwd=elsewhere)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_factory_file_that_is_missing_or_raises_is_named(workloads, tmp_path):
+    missing = run_check(tmp_path, f"{tmp_path / 'nope.py'}:make")
+    assert missing.returncode == 2
+    assert f"there is no file {str(tmp_path / 'nope.py')!r}" in missing.stderr
+    (tmp_path / "broken.py").write_text("raise RuntimeError('boom at import')\n")
+    broken = run_check(tmp_path, f"{tmp_path / 'broken.py'}:make")
+    assert broken.returncode == 2
+    assert "cannot import file" in broken.stderr and "boom at import" in broken.stderr
+
+
 BAD_INPUT = [
-    ("my_workloads", "expected MODULE:FACTORY, e.g. my_pkg.workloads:make_step, got "
-                     "'my_workloads'"),
+    ("my_workloads", "expected MODULE:FACTORY or FILE.py:FACTORY, e.g. my_pkg.workloads:"
+                     "make_step or path/to/train.py:make_step, got 'my_workloads'"),
     ("no_such_module:make", "cannot import module 'no_such_module' of factory "
                             "'no_such_module:make': ModuleNotFoundError"),
     ("my_workloads:missing", "module 'my_workloads' has no attribute 'missing', so factory "
