@@ -19,6 +19,7 @@ from torch import nn
 from . import _C, _progress, measure
 from ._C import GraphedError
 from ._experts import capturable_experts
+from ._schedule import ScheduleRun, check_scheduler
 from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
                      advise_training, eager_training_step, format_advice)
@@ -201,6 +202,9 @@ class OptimizeReport:
     #: Training form: the step's settings (StepSettings' fields: amp,
     #: microbatches, clip_grad_norm, skip_nonfinite), as verified and applied.
     step_settings: Dict[str, Any] = field(default_factory=dict)
+    #: Training form: the class name of the scheduler stepped after each
+    #: verify step, or None.
+    scheduler: Optional[str] = None
     #: graphed.check's findings that a trial capture never met (Note [Capture
     #: is the verdict] in src/safety_check.cpp): false alarms on this model.
     check_false_findings: List[Dict[str, Any]] = field(default_factory=list)
@@ -245,6 +249,7 @@ class OptimizeReport:
             "speedup": self.speedup, "prediction_error": self.prediction_error,
             "max_abs_diff": self.max_abs_diff, "rtol": self.rtol, "atol": self.atol,
             "verify_steps": self.verify_steps, "step_settings": self.step_settings,
+            "scheduler": self.scheduler,
             "check_false_findings": self.check_false_findings, "notes": self.notes,
             "parts": self.parts,
             "advice": self.advice.to_dict() if self.advice is not None else None,
@@ -274,6 +279,8 @@ class OptimizeReport:
                 else "outputs"
             if self.training and self.step_settings:
                 what += ", " + StepSettings(**self.step_settings).describe()
+            if self.training and self.scheduler is not None:
+                what += f", {self.scheduler} stepped after each"
             rows.append((f"numerics vs eager ({what})",
                          f"max |diff| {self.max_abs_diff:.3g} (rtol {self.rtol:g}, "
                          f"atol {self.atol:g})"))
@@ -462,7 +469,7 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
              progress: Union[Progress, bool, None] = None,
              amp: Optional[str] = None, microbatches: int = 1,
              clip_grad_norm: Optional[float] = None,
-             skip_nonfinite: bool = False) -> OptimizeReport:
+             skip_nonfinite: bool = False, scheduler: Any = None) -> OptimizeReport:
     """Make ``model`` (or a training step of it) run as CUDA graphs, if that pays.
 
     Inference form, ``optimize(model, sample_batch=x)``: ``model`` is a module or
@@ -494,9 +501,13 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     ``microbatches``, the batch split along dim 0 and the gradients
     accumulated; ``clip_grad_norm``, ``torch.nn.utils.clip_grad_norm_``'s
     clipping before the optimizer step; ``skip_nonfinite``, a step whose loss
-    or gradients are not finite changes nothing. LR schedulers work on the
-    optimizer afterwards as on TrainStep's (its learning rate is a device
-    tensor they update in place).
+    or gradients are not finite changes nothing; ``scheduler``, a learning-rate
+    scheduler of ``optimizer``: each verify step is followed by
+    ``scheduler.step()`` (the eager reference steps a copy of it), and the
+    scheduler and learning rates are put back afterwards. A schedule reaches
+    the applied step without recapture (its learning rate is a device tensor
+    the scheduler fills in place): keep calling ``scheduler.step()`` in your
+    loop.
 
     Returns an :class:`OptimizeReport`, true when graphs were applied: use
     ``report.fn(*args)`` or ``report.step(batch)``. When anything fails, the
@@ -521,6 +532,7 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
         check_batch_form(sample_batch, loss_fn)
     step = StepSettings(amp=amp, microbatches=microbatches, clip_grad_norm=clip_grad_norm,
                         skip_nonfinite=skip_nonfinite)
+    check_scheduler(scheduler, optimizer)
     if optimizer is None and step != StepSettings():
         raise GraphedError(
             f"{step.describe()} applies to the training form of optimize (with an optimizer); "
@@ -541,7 +553,7 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
             report = _optimize_inference(model, sample_batch, rtol, atol, force, settings, stages)
         else:
             report = _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol,
-                                        verify_steps, force, settings, stages, step)
+                                        verify_steps, force, settings, stages, step, scheduler)
     finally:
         if bar is not None:
             bar.close()
@@ -620,11 +632,14 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
 def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                        loss_fn: Callable[..., torch.Tensor], batch: Any, rtol: float,
                        atol: float, verify_steps: int, force: bool, settings: ProfileSettings,
-                       progress: Progress, step_settings: StepSettings) -> OptimizeReport:
+                       progress: Progress, step_settings: StepSettings,
+                       scheduler: Any = None) -> OptimizeReport:
     report = OptimizeReport(f"training step of {describe(model)}", training=True, rtol=rtol,
                             atol=atol, verify_steps=verify_steps,
-                            step_settings=step_settings.from_parts_kwargs())
+                            step_settings=step_settings.from_parts_kwargs(),
+                            scheduler=None if scheduler is None else type(scheduler).__name__)
     snapshot = Snapshot(model, optimizer)
+    schedule = ScheduleRun(scheduler, optimizer)
     undo: Undo = _nothing
     try:
         progress("check and advise")
@@ -655,8 +670,9 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         capturable_experts(reference_model)
         eager = eager_training_step(reference_model, reference_optimizer, loss_fn,
                                     step_settings)
+        reference_schedule = schedule.for_copy(reference_optimizer)
         rng = RngSnapshot()
-        expected_losses = [eager(batch) for _ in range(steps)]
+        expected_losses = [_then(eager(batch), reference_schedule.step) for _ in range(steps)]
         expected_params = [p.detach().clone() for p in reference_model.parameters()]
         rng.restore()
 
@@ -668,18 +684,19 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                                  eager_optimizer=report.strategy == "per_block")
 
         progress("verify")
-        got_losses = [step(batch) for _ in range(steps)]
+        got_losses = [_then(step(batch), schedule.step) for _ in range(steps)]
         got_params = [p.detach().clone() for p in model.parameters()]
         # An adaptive optimizer (Adam) moves a parameter by up to about its
         # learning rate per step however small the gradient, so rounding
         # differences between eager and graphed kernels (TF32, split-K) can
         # move a parameter by up to 2 x lr per step: parameters are compared
         # with that bound, losses with rtol/atol.
-        step_bound = 2.0 * steps * max(float(g["lr"]) for g in optimizer.param_groups)
+        step_bound = 2.0 * steps * max(schedule.max_lr, reference_schedule.max_lr)
         report.max_abs_diff = max(
             _max_diff(expected_losses, got_losses, rtol, atol, "losses"),
             _max_diff(expected_params, got_params, rtol, max(atol, step_bound), "parameters"))
         captured.restore()
+        schedule.restore()
 
         progress("measure")
         times = measure.compare_ms({"eager": lambda: eager(batch), "graphed": lambda: step(batch)},
@@ -701,4 +718,10 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         _fail(report, error)
         undo()
         snapshot.restore()
+        schedule.restore()
     return report
+
+
+def _then(value: Any, action: Callable[[], None]) -> Any:
+    action()
+    return value

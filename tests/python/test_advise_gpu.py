@@ -182,6 +182,41 @@ def test_optimize_takes_the_step_people_run_and_verifies_it_against_that_step():
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-4)
 
 
+def _warmup_cosine(optimizer):
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, 1.0, total_iters=3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 20)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+
+
+def test_optimize_verifies_the_schedule_and_puts_the_scheduler_back():
+    # A warmup-then-cosine schedule stepped after each verify step, eager
+    # reference and graphs alike; afterwards the scheduler and learning rate are
+    # as they were, and the schedule reaches the applied graph without recapture.
+    model, optimizer, batch = gpt_parts()
+    reference, reference_optimizer = copy.deepcopy((model, optimizer))
+    scheduler = _warmup_cosine(optimizer)
+    first_lr = float(optimizer.param_groups[0]["lr"])
+    report = graphed.optimize(model, optimizer, workloads.gpt_loss, sample_batch=batch,
+                              settings=QUICK, scheduler=scheduler)
+    assert report.applied, str(report)
+    assert report.scheduler == "SequentialLR" and "SequentialLR stepped after each" in str(report)
+    assert scheduler.last_epoch == 0
+    assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(first_lr)
+    from graphed.advise import eager_training_step
+
+    reference_scheduler = _warmup_cosine(reference_optimizer)
+    eager = eager_training_step(reference, reference_optimizer, workloads.gpt_loss)
+    for _ in range(6):
+        got, want = report.step(batch), eager(batch)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-4)
+        scheduler.step()
+        reference_scheduler.step()
+    assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(
+        float(reference_optimizer.param_groups[0]["lr"]))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
+
+
 def test_optimize_refuses_blockers_inside_modules_and_changes_nothing():
     class Blocked(torch.nn.Module):
         def __init__(self):

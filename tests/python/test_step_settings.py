@@ -119,3 +119,44 @@ def test_optimize_refuses_step_settings_for_inference_before_any_work():
     with pytest.raises(graphed.GraphedError, match="Expected microbatches to be an int >= 1"):
         graphed.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse,
                          sample_batch=_batch(), microbatches=0, progress=False)
+
+
+def test_a_scheduler_belongs_to_the_training_form_and_its_optimizer():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(other, 1)
+    with pytest.raises(graphed.GraphedError, match="Expected a learning-rate scheduler of the "
+                       "optimizer passed to optimize"):
+        graphed.optimize(model, optimizer, _mse, sample_batch=_batch(), scheduler=scheduler)
+    with pytest.raises(graphed.GraphedError, match="Expected no scheduler in optimize's "
+                       "inference form"):
+        graphed.optimize(model, sample_batch=_batch()[0], scheduler=scheduler)
+
+
+def test_the_schedule_runs_on_a_copy_and_is_put_back():
+    from graphed._schedule import ScheduleRun
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, 1.0, total_iters=3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 10)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], [3])
+    twin_model, twin_optimizer = copy.deepcopy((model, optimizer))
+    run = ScheduleRun(scheduler, optimizer)
+    twin = run.for_copy(twin_optimizer)
+    start = optimizer.param_groups[0]["lr"]
+    for _ in range(5):
+        twin_optimizer.step()
+        twin.step()
+    assert optimizer.param_groups[0]["lr"] == start  # the copy's schedule moved the copy only
+    assert twin_optimizer.param_groups[0]["lr"] > start and twin.max_lr == pytest.approx(0.1)
+    for _ in range(5):
+        optimizer.step()
+        run.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(twin_optimizer.param_groups[0]["lr"])
+    run.restore()
+    assert optimizer.param_groups[0]["lr"] == start and scheduler.last_epoch == 0
+    optimizer.step()
+    scheduler.step()  # and it schedules on from the start: warmup's 0.1 -> 0.4 of 0.1
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(start * 4)
