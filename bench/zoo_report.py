@@ -43,5 +43,5 @@ def markdown(zoo: Dict[str, Any]) -> str:
             diff = u.get("optimize_max_abs_diff")
             lines.append(f"| {name} | {ms(u, 'trainstep_ms')} | {ms(u, 'optimize_ms')} | "
                          f"{u.get('optimize_vs_trainstep', '-')} | {strategy} | "
-                         f"{diff if diff is not None else '-'} |")
+                         f"{'-' if diff is None else f'{diff:.1e}'} |")
     return "\n".join(lines) + "\n"

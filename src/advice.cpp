@@ -278,6 +278,7 @@ Advice advise(const Trace& trace, const ReplayCost& cost, const AdviceInputs& in
   advice.graphs = per_module ? std::max<int64_t>(inputs.module_graphs, 1) : 1;
   advice.predicted_ms = predict_graphed_ms(s, cost, advice.graphs);
   advice.predicted_speedup = advice.eager_ms / advice.predicted_ms;
+  advice.compiled = estimate_compiled(trace, cost, advice.graphs);
 
   std::string verdict_reason;
   if (advice.eager_gpu_busy >= inputs.gpu_bound_at) {

@@ -10,6 +10,8 @@
 /// verdict and the capture strategy to use (Note [Choosing a strategy]).
 /// profile.h records the traces and measures the replay cost.
 
+#include "graphed/compile_estimate.h"
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -211,6 +213,9 @@ struct Advice {
   std::string reason;
   /// Caveats of the prediction for this workload.
   std::vector<std::string> notes;
+  /// The same step compiled by torch.compile (Inductor, default mode) and
+  /// replayed as `graphs` graphs: Note [Predicting a compiled step].
+  CompiledEstimate compiled;
 };
 
 /// Predicted time of replaying `graphs` graphs that hold the work of one

@@ -45,6 +45,9 @@ class Advice:
     GPU-bound"), ``strategy`` ("full_capture", "per_module", "bucketed",
     "fix_blockers", "stay_eager"), ``eager_ms``, ``predicted_ms``,
     ``predicted_speedup``, ``summary`` (per-iteration figures of the trace),
+    ``compiled`` (the step under torch.compile's fusion, replayed as graphs:
+    ``predicted_ms``, ``fusible_ms``, ``fixed_ms``, ``fusible_kernels``,
+    ``fixed_activities``; Note [Predicting a compiled step]),
     ``replay_cost``, ``reason``, ``notes``, ``blockers`` (graphed.check's
     findings as dicts), ``description``, ``training``, ``device``.
     """
@@ -97,6 +100,14 @@ def format_advice(advice: Advice, heading: str = "##") -> str:
         (f"predicted graphed {kind}", f"{advice.predicted_ms:.3f} ms ({advice.graphs} graph"
                                       f"{'s' if advice.graphs != 1 else ''})"),
         ("predicted speedup", f"{advice.predicted_speedup:.2f}x"),
+    ]
+    compiled = advice.to_dict().get("compiled")
+    if compiled:
+        rows.append((f"predicted compiled + graphed {kind}",
+                     f"{compiled['predicted_ms']:.3f} ms (fusible kernels "
+                     f"{compiled['fusible_ms']:.3f} ms of {s['gpu_ms_per_iter']:.3f} ms; Note "
+                     "[Predicting a compiled step])"))
+    rows += [
         ("GPU activities per iteration",
          f"{s['activities_per_iter']:.0f} ({s['kernels_per_iter']:.0f} kernels)"),
         ("kernel time per iteration", f"{s['gpu_ms_per_iter']:.3f} ms"),

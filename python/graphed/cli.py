@@ -114,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--skip-nonfinite", action="store_true",
                              help="training: a step whose loss or gradients are not finite "
                                   "changes nothing")
+    optimize.add_argument("--compile", choices=["off", "on", "auto"], default="off",
+                          help="training: also build the step over torch.compile(model) "
+                               "(Inductor's fusion, captured by graphed) and keep the faster; "
+                               "auto: only where advise predicts it pays (default: off)")
     bench = commands.add_parser(
         "bench",
         help="predicted against measured graphed time on the DESIGN.md workloads",
@@ -239,7 +243,8 @@ def _emit(result, spec: str, plot: Optional[str], as_json: bool, out: TextIO) ->
 
 
 def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
-                  err: TextIO, step: Optional[Dict[str, Any]] = None) -> int:
+                  err: TextIO, step: Optional[Dict[str, Any]] = None,
+                  compile_mode: str = "off") -> int:
     from .factory import TrainingWorkload
 
     step = step or {}
@@ -248,6 +253,11 @@ def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
         return 2
     if not _options_fit("optimize", spec, workload, step, err):
         return 2
+    if compile_mode != "off" and not isinstance(workload, TrainingWorkload):
+        print(f"graphed optimize: --compile applies to training workloads; factory {spec!r} "
+              "returned an inference workload (fn, args). Return torch.compile(model) as the "
+              "function instead, or drop --compile.", file=err)
+        return 2
     if not _need_gpu("optimize", err):
         return 2
     from .optimize import optimize
@@ -255,7 +265,9 @@ def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
     progress = Progress(6, "graphed optimize", file=err)
     if isinstance(workload, TrainingWorkload):
         report = optimize(workload.model, workload.optimizer, workload.loss_fn,
-                          sample_batch=workload.batch, progress=progress, **step)
+                          sample_batch=workload.batch, progress=progress,
+                          compile={"off": False, "on": True, "auto": "auto"}[compile_mode],
+                          **step)
     elif workload.kwargs:
         progress.close()
         print(f"graphed optimize: factory {spec!r} returned keyword arguments "
@@ -345,7 +357,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            _step_options(args))
     if args.command == "optimize":
         return _run_optimize(args.factory, args.json, args.plot, sys.stdout, sys.stderr,
-                             _step_options(args))
+                             _step_options(args), args.compile)
     if args.command == "bench":
         return _run_bench(args.workloads, args.json, args.plot_dir, args.quick, sys.stdout,
                           sys.stderr)

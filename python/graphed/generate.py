@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from . import _C
+from ._compiled import torch_compile_options
 from ._experts import capturable_experts
 from ._progress import Progress
 from ._state_space_decoding import is_state_layer, mark_previous_state, state_view
@@ -31,12 +32,6 @@ SUPPORTED_ARGUMENTS = (
 
 #: Arguments graphed.generate takes beyond model.generate's.
 GRAPHED_ARGUMENTS = ("compile",)
-
-# torch.compile's keyword arguments that a compiled decode step may set.
-_COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options")
-# Inductor modes that record CUDA graphs of their own (cudagraph trees), which
-# cannot run inside the graph graphed captures around the step.
-_GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 
 # Generation settings that change what generate() computes and that the decoder
 # does not implement, with the values that leave them off.
@@ -168,26 +163,7 @@ def _compile_options(compile):
     Modes that record Inductor's own CUDA graphs (reduce-overhead,
     max-autotune) are refused: those graphs cannot be captured inside
     graphed's."""
-    if compile is None or compile is False:
-        return None
-    if compile is True:
-        return {}
-    if not isinstance(compile, dict):
-        raise _error(f"Expected compile=True, False or a dict of torch.compile arguments "
-                     f"({', '.join(_COMPILE_KEYS)}), got {type(compile).__name__}.")
-    unknown = sorted(set(compile) - set(_COMPILE_KEYS))
-    if unknown:
-        raise _error(f"compile= takes torch.compile's arguments {', '.join(_COMPILE_KEYS)}; got "
-                     f"{', '.join(unknown)}. Remove them.")
-    options = compile.get("options") or {}
-    if compile.get("mode") in _GRAPHING_MODES or options.get("triton.cudagraphs"):
-        shown = compile.get("mode") or "options={'triton.cudagraphs': True}"
-        raise _error(f"Expected a torch.compile mode that records no CUDA graphs of its own "
-                     f"(None, 'default' or 'max-autotune-no-cudagraphs'), got {shown!r}: "
-                     f"graphed captures the decode step itself, and Inductor's graphs cannot "
-                     f"be captured inside it. Pass compile=True or "
-                     f"compile={{'mode': 'max-autotune-no-cudagraphs'}}.")
-    return dict(compile)
+    return torch_compile_options(compile, "decode step")[1]
 
 
 def _unroll_sliding_windows(cache, max_len, model):

@@ -6,11 +6,12 @@ and the report says why."""
 from __future__ import annotations
 
 import copy
-import json
+import gc
 import logging
 import re
+import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -19,10 +20,12 @@ from torch import nn
 from . import _C, _progress, measure
 from ._C import GraphedError
 from ._experts import capturable_experts
+from ._compiled import CompileTimeout, time_limit, torch_compile_options, worth_compiling
+from ._optimize_report import OptimizeReport
 from ._schedule import ScheduleRun, check_scheduler
 from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
-                     advise_training, eager_training_step, format_advice)
+                     advise_training, eager_training_step)
 from .capture import capture
 from .train import (StepSettings, TrainStep, batch_loss, check_batch_form, split_batch,
                     training_state)
@@ -178,127 +181,6 @@ STRATEGIES: Dict[str, _Strategy] = {
 
 
 # --- the report -------------------------------------------------------------------
-
-
-@dataclass
-class OptimizeReport:
-    """What graphed.optimize did. True when graphs were applied; then ``fn``
-    (inference) or ``step`` (training; call ``step(batch)``) is what to run.
-    ``str()`` is a markdown report, ``to_dict()``/``to_json()`` its JSON form."""
-
-    description: str
-    training: bool
-    applied: bool = False
-    strategy: Optional[str] = None
-    reason: str = ""
-    error: Optional[str] = None
-    advice: Optional[Advice] = None
-    eager_ms: Optional[float] = None
-    graphed_ms: Optional[float] = None
-    max_abs_diff: Optional[float] = None
-    rtol: float = 1e-3
-    atol: float = 1e-4
-    verify_steps: int = 0
-    #: Training form: the step's settings (StepSettings' fields: amp,
-    #: microbatches, clip_grad_norm, skip_nonfinite), as verified and applied.
-    step_settings: Dict[str, Any] = field(default_factory=dict)
-    #: Training form: the class name of the scheduler stepped after each
-    #: verify step, or None.
-    scheduler: Optional[str] = None
-    #: graphed.check's findings that a trial capture never met (Note [Capture
-    #: is the verdict] in src/safety_check.cpp): false alarms on this model.
-    check_false_findings: List[Dict[str, Any]] = field(default_factory=list)
-    #: What graphed changed to apply graphs (e.g. use_cache=False for training).
-    notes: List[str] = field(default_factory=list)
-    #: per_block only: per module that cannot be captured, the parts graphed
-    #: in its place and those that run eagerly, with why (graphed.auto's
-    #: ``stats()["parts"]``, Note [Graphing the parts of a block]).
-    parts: Dict[str, Any] = field(default_factory=dict)
-    fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
-    graphed_trace: Optional[Dict[str, Any]] = field(default=None, repr=False)
-
-    @property
-    def step(self) -> Optional[Callable[..., Any]]:
-        """The captured training step (``step(batch)`` returns the loss), or
-        None when nothing was applied; the same object as ``fn``."""
-        return self.fn
-
-    @property
-    def speedup(self) -> Optional[float]:
-        """Measured eager time over graphed time, or None when not measured."""
-        if self.eager_ms and self.graphed_ms:
-            return self.eager_ms / self.graphed_ms
-        return None
-
-    @property
-    def prediction_error(self) -> Optional[float]:
-        """(predicted - measured) / measured graphed time."""
-        if self.advice is None or not self.graphed_ms:
-            return None
-        return (self.advice.predicted_ms - self.graphed_ms) / self.graphed_ms
-
-    def __bool__(self) -> bool:
-        return self.applied
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The report as a JSON-ready dict (the advice included, traces not)."""
-        return {
-            "description": self.description, "training": self.training,
-            "applied": self.applied, "strategy": self.strategy, "reason": self.reason,
-            "error": self.error, "eager_ms": self.eager_ms, "graphed_ms": self.graphed_ms,
-            "speedup": self.speedup, "prediction_error": self.prediction_error,
-            "max_abs_diff": self.max_abs_diff, "rtol": self.rtol, "atol": self.atol,
-            "verify_steps": self.verify_steps, "step_settings": self.step_settings,
-            "scheduler": self.scheduler,
-            "check_false_findings": self.check_false_findings, "notes": self.notes,
-            "parts": self.parts,
-            "advice": self.advice.to_dict() if self.advice is not None else None,
-        }
-
-    def to_json(self, **kwargs: Any) -> str:
-        """``to_dict()`` as JSON text; ``kwargs`` go to ``json.dumps``."""
-        return json.dumps(self.to_dict(), **kwargs)
-
-    def __str__(self) -> str:
-        state = "applied" if self.applied else "NOT applied"
-        lines = [f"# graphed optimize: {self.description}", "",
-                 f"**{state}** ({self.strategy or 'no strategy'}): {self.reason}", ""]
-        rows: List[Tuple[str, str]] = []
-        if self.eager_ms is not None:
-            rows.append(("eager", f"{self.eager_ms:.3f} ms"))
-        if self.graphed_ms is not None:
-            rows.append(("graphed, measured", f"{self.graphed_ms:.3f} ms"))
-        if self.speedup is not None:
-            rows.append(("speedup, measured", f"{self.speedup:.2f}x"))
-        if self.advice is not None:
-            rows.append(("graphed, predicted", f"{self.advice.predicted_ms:.3f} ms"))
-        if self.prediction_error is not None:
-            rows.append(("prediction error", f"{100 * self.prediction_error:+.1f}%"))
-        if self.max_abs_diff is not None:
-            what = f"{self.verify_steps} steps: losses and parameters" if self.training \
-                else "outputs"
-            if self.training and self.step_settings:
-                what += ", " + StepSettings(**self.step_settings).describe()
-            if self.training and self.scheduler is not None:
-                what += f", {self.scheduler} stepped after each"
-            rows.append((f"numerics vs eager ({what})",
-                         f"max |diff| {self.max_abs_diff:.3g} (rtol {self.rtol:g}, "
-                         f"atol {self.atol:g})"))
-        if rows:
-            lines += ["| | |", "|---|---:|"] + [f"| {a} | {b} |" for a, b in rows] + [""]
-        if self.notes:
-            lines += [f"- {note}" for note in self.notes] + [""]
-        if self.check_false_findings:
-            lines.append(f"graphed.check found {len(self.check_false_findings)} operation(s) that "
-                         "the capture never met (false findings on this model):")
-            lines += [f"- `{f['op']}`" + (f" at {f['file']}:{f['line']}" if f.get("file") else "")
-                      for f in self.check_false_findings]
-            lines.append("")
-        if self.error:
-            lines += ["```", self.error.rstrip(), "```", ""]
-        if self.advice is not None:
-            lines.append(format_advice(self.advice, heading="##"))
-        return "\n".join(lines)
 
 
 # --- optimize ----------------------------------------------------------------------
@@ -469,7 +351,9 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
              progress: Union[Progress, bool, None] = None,
              amp: Optional[str] = None, microbatches: int = 1,
              clip_grad_norm: Optional[float] = None,
-             skip_nonfinite: bool = False, scheduler: Any = None) -> OptimizeReport:
+             skip_nonfinite: bool = False, scheduler: Any = None,
+             compile: Union[bool, str, Dict[str, Any]] = False,
+             compile_timeout: Optional[float] = 600.0) -> OptimizeReport:
     """Make ``model`` (or a training step of it) run as CUDA graphs, if that pays.
 
     Inference form, ``optimize(model, sample_batch=x)``: ``model`` is a module or
@@ -509,6 +393,19 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     the scheduler fills in place): keep calling ``scheduler.step()`` in your
     loop.
 
+    ``compile`` (training form, whole-step capture): ``False`` (the default)
+    captures the model as it is; ``True`` or a dict of torch.compile's
+    arguments also builds the step over ``torch.compile(model)`` (Inductor's
+    fused kernels, captured by graphed), verifies it against the same eager
+    reference, times it, and keeps the faster; ``"auto"`` does so only where
+    advise predicts the compiled step at least 8% faster (Note [Predicting a
+    compiled step] in src/compile_estimate.cpp). Modes that record CUDA graphs
+    of their own (reduce-overhead, max-autotune) are refused.
+    ``compile_timeout`` (seconds, None for no limit) bounds building the
+    compiled candidate. ``report.compiled`` says what was built, its time,
+    its build time and the choice (Note [A compiled candidate] in
+    python/graphed/_compiled.py).
+
     Returns an :class:`OptimizeReport`, true when graphs were applied: use
     ``report.fn(*args)`` or ``report.step(batch)``. When anything fails, the
     numerics differ or the graph is not faster (unless ``force``), the model,
@@ -533,6 +430,11 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     step = StepSettings(amp=amp, microbatches=microbatches, clip_grad_norm=clip_grad_norm,
                         skip_nonfinite=skip_nonfinite)
     check_scheduler(scheduler, optimizer)
+    compile_choice = torch_compile_options(compile, "training step", allow_auto=True)
+    if optimizer is None and compile_choice[0] != "off":
+        raise GraphedError("compile= applies to the training form of optimize for now; for "
+                           "inference, pass torch.compile(model) (Inductor's default mode) as the "
+                           "model.")
     if optimizer is None and step != StepSettings():
         raise GraphedError(
             f"{step.describe()} applies to the training form of optimize (with an optimizer); "
@@ -553,7 +455,8 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
             report = _optimize_inference(model, sample_batch, rtol, atol, force, settings, stages)
         else:
             report = _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol,
-                                        verify_steps, force, settings, stages, step, scheduler)
+                                        verify_steps, force, settings, stages, step, scheduler,
+                                        compile_choice, compile_timeout)
     finally:
         if bar is not None:
             bar.close()
@@ -633,7 +536,9 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                        loss_fn: Callable[..., torch.Tensor], batch: Any, rtol: float,
                        atol: float, verify_steps: int, force: bool, settings: ProfileSettings,
                        progress: Progress, step_settings: StepSettings,
-                       scheduler: Any = None) -> OptimizeReport:
+                       scheduler: Any = None,
+                       compile_choice: Tuple[str, Optional[Dict[str, Any]]] = ("off", None),
+                       compile_timeout: Optional[float] = None) -> OptimizeReport:
     report = OptimizeReport(f"training step of {describe(model)}", training=True, rtol=rtol,
                             atol=atol, verify_steps=verify_steps,
                             step_settings=step_settings.from_parts_kwargs(),
@@ -679,24 +584,14 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         progress(f"apply {report.strategy}")
         step, undo = strategy.training(model, optimizer, loss_fn, batch, step_settings)
         report.notes = list(getattr(step, "notes", []))
-        guard_state = step.guard.state() if getattr(step, "guard", None) is not None else []
-        captured = _StepSnapshot(model, optimizer, guard_state,
+        captured = _StepSnapshot(model, optimizer, _guard_state(step),
                                  eager_optimizer=report.strategy == "per_block")
 
         progress("verify")
-        got_losses = [_then(step(batch), schedule.step) for _ in range(steps)]
-        got_params = [p.detach().clone() for p in model.parameters()]
-        # An adaptive optimizer (Adam) moves a parameter by up to about its
-        # learning rate per step however small the gradient, so rounding
-        # differences between eager and graphed kernels (TF32, split-K) can
-        # move a parameter by up to 2 x lr per step: parameters are compared
-        # with that bound, losses with rtol/atol.
-        step_bound = 2.0 * steps * max(schedule.max_lr, reference_schedule.max_lr)
-        report.max_abs_diff = max(
-            _max_diff(expected_losses, got_losses, rtol, atol, "losses"),
-            _max_diff(expected_params, got_params, rtol, max(atol, step_bound), "parameters"))
+        expected = (expected_losses, expected_params, reference_schedule.max_lr)
+        report.max_abs_diff = _verify_step(step, model, batch, steps, schedule, expected,
+                                           rtol, atol)
         captured.restore()
-        schedule.restore()
 
         progress("measure")
         times = measure.compare_ms({"eager": lambda: eager(batch), "graphed": lambda: step(batch)},
@@ -705,11 +600,34 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         if report.graphed_ms >= report.eager_ms and not force:
             raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
                             f"{report.eager_ms:.3f} ms eager")
+        captured.restore()
+        build_compiled, why = worth_compiling(compile_choice[0], report.advice)
+        if compile_choice[0] != "off":
+            report.compiled = {"built": False, "why": why, "chosen": False,
+                               "options": compile_choice[1]}
+        if build_compiled and report.strategy == "full_capture":
+            # Note [A compiled candidate] in python/graphed/_compiled.py.
+            progress("compiled candidate")
+            step = captured = None  # the graphed candidate's graphs and buffers go
+            gc.collect()
+            snapshot.restore()
+            step, captured = _compiled_candidate(
+                report, model, optimizer, loss_fn, batch, step_settings, compile_choice[1],
+                compile_timeout, snapshot, schedule, eager, expected, steps, settings)
+            if step is None:  # the graphed candidate wins: captured again, as verified
+                step, undo = strategy.training(model, optimizer, loss_fn, batch, step_settings)
+                captured = _StepSnapshot(model, optimizer, _guard_state(step), False)
+        elif build_compiled:
+            report.compiled["why"] = (f"not built: the {report.strategy} strategy runs eager "
+                                      "code between graphs; compile applies to whole-step "
+                                      "capture")
         report.graphed_trace = _trace_replays(lambda: step(batch))
         captured.restore()
         report.applied, report.fn = True, step
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager; "
                          f"{steps} steps match eager")
+        if report.compiled.get("chosen"):
+            report.reason += "; the step runs over torch.compile(model), faster than without"
         if whole_step_blocked is not None:
             note, report.parts = _per_block_note(step.auto_model, whole_step_blocked)
             report.notes.append(note)
@@ -725,3 +643,80 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
 def _then(value: Any, action: Callable[[], None]) -> Any:
     action()
     return value
+
+
+def _guard_state(step: Any) -> Sequence[torch.Tensor]:
+    return step.guard.state() if getattr(step, "guard", None) is not None else []
+
+
+def _verify_step(step: Callable[[Any], Any], model: nn.Module, batch: Any, steps: int,
+                 schedule: ScheduleRun, expected: Tuple[List[Any], List[torch.Tensor], float],
+                 rtol: float, atol: float) -> float:
+    """Runs ``steps`` steps (the schedule stepped after each) and compares
+    losses and parameters with the eager reference's; the schedule put back."""
+    expected_losses, expected_params, reference_max_lr = expected
+    got_losses = [_then(step(batch), schedule.step) for _ in range(steps)]
+    got_params = [p.detach().clone() for p in model.parameters()]
+    # An adaptive optimizer (Adam) moves a parameter by up to about its
+    # learning rate per step however small the gradient, so rounding
+    # differences between eager and graphed kernels (TF32, split-K) can
+    # move a parameter by up to 2 x lr per step: parameters are compared
+    # with that bound, losses with rtol/atol.
+    step_bound = 2.0 * steps * max(schedule.max_lr, reference_max_lr)
+    diff = max(_max_diff(expected_losses, got_losses, rtol, atol, "losses"),
+               _max_diff(expected_params, got_params, rtol, max(atol, step_bound), "parameters"))
+    schedule.restore()
+    return diff
+
+
+def _compiled_candidate(report: OptimizeReport, model: nn.Module,
+                        optimizer: torch.optim.Optimizer, loss_fn: Optional[Callable],
+                        batch: Any, step_settings: StepSettings, options: Dict[str, Any],
+                        timeout: Optional[float], snapshot: Snapshot, schedule: ScheduleRun,
+                        eager: Callable[[Any], Any], expected: Tuple[Any, Any, float],
+                        steps: int, settings: ProfileSettings
+                        ) -> Tuple[Optional[TrainStep], Optional[_StepSnapshot]]:
+    """The whole step over torch.compile(model), built, verified and timed
+    (Note [A compiled candidate] in python/graphed/_compiled.py): the step
+    and its snapshot when it is faster than the graphed candidate, else
+    (None, None) with the model and optimizer restored."""
+    entry = report.compiled
+    entry["built"] = True
+    started = time.perf_counter()
+    step: Optional[TrainStep] = None
+    captured: Optional[_StepSnapshot] = None
+    try:
+        compiled_model = torch.compile(model, **options)
+        with time_limit(timeout, "building the compiled training step"):
+            step = TrainStep.from_parts(compiled_model, optimizer, loss_fn, batch,
+                                        **step_settings.from_parts_kwargs())
+        entry["compile_s"] = round(time.perf_counter() - started, 3)
+        if timeout is not None and entry["compile_s"] > timeout:
+            raise CompileTimeout(f"building the compiled training step took "
+                                 f"{entry['compile_s']:.1f} s, past compile_timeout={timeout:g} s")
+        captured = _StepSnapshot(model, optimizer, _guard_state(step), False)
+        entry["max_abs_diff"] = _verify_step(step, model, batch, steps, schedule, expected,
+                                             report.rtol, report.atol)
+        captured.restore()
+        compiled_step = step
+        times = measure.compare_ms({"eager": lambda: eager(batch),
+                                    "compiled": lambda: compiled_step(batch)},
+                                   iters=settings.timed_iters, repeats=settings.timed_repeats)
+        entry.update(ms=times["compiled"], eager_ms=times["eager"], graphed_ms=report.graphed_ms)
+        if times["compiled"] < report.graphed_ms:
+            entry["chosen"] = True
+            report.graphed_ms, report.max_abs_diff = times["compiled"], entry["max_abs_diff"]
+            report.notes += [n for n in getattr(step, "notes", []) if n not in report.notes]
+            report.notes.append(
+                f"the step is captured over torch.compile(model) (Inductor's fused kernels): "
+                f"{times['compiled']:.3f} ms against {entry['graphed_ms']:.3f} ms without; "
+                f"compiled and captured in {entry['compile_s']:.1f} s")
+            return step, captured
+    except Exception as error:  # noqa: BLE001 - a failed candidate leaves the graphed one
+        entry["error"] = f"{type(error).__name__}: {error}"[:2000]
+    entry.setdefault("compile_s", round(time.perf_counter() - started, 3))
+    step = captured = None
+    gc.collect()
+    snapshot.restore()
+    schedule.restore()
+    return None, None

@@ -115,6 +115,13 @@ py::dict advice_to_python(const Advice& advice) {
   out["strategy"] = std::string(strategy_name(advice.strategy));
   out["reason"] = advice.reason;
   out["notes"] = advice.notes;
+  py::dict compiled;
+  compiled["fixed_ms"] = advice.compiled.fixed_ms;
+  compiled["fusible_ms"] = advice.compiled.fusible_ms;
+  compiled["fixed_activities"] = advice.compiled.fixed_activities;
+  compiled["fusible_kernels"] = advice.compiled.fusible_kernels;
+  compiled["predicted_ms"] = advice.compiled.predicted_ms;
+  out["compiled"] = compiled;
   return out;
 }
 

@@ -217,6 +217,45 @@ def test_optimize_verifies_the_schedule_and_puts_the_scheduler_back():
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
 
 
+def test_optimize_builds_the_compiled_candidate_and_keeps_the_faster():
+    # Note [A compiled candidate]: the step over torch.compile(model) is built
+    # after the graphed one, verified against the same eager reference and
+    # timed; the report gives both times and the choice, and the step it
+    # returns is the faster one, still matching eager.
+    model, optimizer, batch = gpt_parts()
+    initial = [p.detach().clone() for p in model.parameters()]
+    report = graphed.optimize(model, optimizer, workloads.gpt_loss, sample_batch=batch,
+                              settings=QUICK, compile=True, compile_timeout=300)
+    assert report.applied, str(report)
+    compiled = report.compiled
+    assert compiled["built"] and "error" not in compiled, compiled
+    assert compiled["compile_s"] > 0 and compiled["ms"] > 0 and compiled["graphed_ms"] > 0
+    assert compiled["chosen"] == (compiled["ms"] < compiled["graphed_ms"])
+    assert report.graphed_ms == pytest.approx(min(compiled["ms"], compiled["graphed_ms"]))
+    assert "compiled candidate" in str(report)
+    for p, q in zip(model.parameters(), initial):
+        assert torch.equal(p, q)
+    from graphed.advise import eager_training_step
+
+    reference, reference_optimizer = copy.deepcopy((model, optimizer))
+    eager = eager_training_step(reference, reference_optimizer, workloads.gpt_loss)
+    for _ in range(3):
+        torch.testing.assert_close(report.step(batch).float(), eager(batch).float(),
+                                   rtol=1e-3, atol=1e-4)
+
+
+def test_compile_auto_follows_the_prediction():
+    model, optimizer, batch = gpt_parts()
+    report = graphed.optimize(model, optimizer, workloads.gpt_loss, sample_batch=batch,
+                              settings=QUICK, compile="auto", compile_timeout=300)
+    assert report.applied, str(report)
+    from graphed._compiled import AUTO_GAIN
+
+    predicted = report.advice.to_dict()["compiled"]["predicted_ms"]
+    assert report.compiled["built"] == (predicted < AUTO_GAIN * report.advice.predicted_ms)
+    assert report.compiled["why"]
+
+
 def test_optimize_refuses_blockers_inside_modules_and_changes_nothing():
     class Blocked(torch.nn.Module):
         def __init__(self):

@@ -159,3 +159,9 @@ def test_bad_training_options_exit_2_with_the_setting(workloads, capsys, command
     result = main(capsys, command, "my_workloads:training", "--microbatches", "0")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Expected microbatches to be an int >= 1, got 0" in result.stderr
+
+
+def test_compile_on_an_inference_workload_exits_2(workloads, capsys):
+    result = main(capsys, "optimize", "my_workloads:inference", "--compile", "auto")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "graphed optimize: --compile applies to training workloads" in result.stderr
