@@ -60,6 +60,7 @@ def measure_in_this_process(name: str) -> Dict[str, Any]:
     row["optimize_total_s"] = round(time.perf_counter() - started, 3)
     compiled = report.compiled
     row["optimize_applied"] = bool(report.applied)
+    row["optimize_reason"] = report.reason
     row["optimize_compiled"] = {k: v for k, v in compiled.items() if k != "options"}
     row["optimize_compile_s"] = compiled.get("compile_s")
     row["optimize_compiled_ms"] = compiled.get("ms")

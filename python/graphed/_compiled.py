@@ -29,6 +29,11 @@ graphed one:
   never compiles. ``compile_timeout`` bounds the build: past it the
   candidate is dropped (on the main thread a SIGALRM interrupts the compile;
   elsewhere the build finishes and is then refused).
+- Random ops (dropout) keep eager's generator: Inductor's own random
+  numbers (a different Philox stream) would give other dropout masks than
+  the eager reference, and no verification could pass. So the candidate
+  compiles with Inductor's ``fallback_random=True`` unless ``compile=``'s
+  ``options`` set it.
 - Modes that record Inductor's own CUDA graphs (reduce-overhead,
   max-autotune, ``triton.cudagraphs``) are refused: those graphs cannot be
   captured inside graphed's.

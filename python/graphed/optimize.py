@@ -5,6 +5,7 @@ and the report says why."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -669,6 +670,18 @@ def _verify_step(step: Callable[[Any], Any], model: nn.Module, batch: Any, steps
     return diff
 
 
+def _eager_random(options: Dict[str, Any]) -> Any:
+    """While compiling: Inductor's random ops fall back to eager's (dropout
+    masks from the same generator as the eager reference) unless ``options``
+    set it; Note [A compiled candidate]."""
+    inductor_options = options.get("options") or {}
+    if options.get("backend", "inductor") != "inductor" or "fallback_random" in inductor_options:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fallback_random=True)
+
+
 def _compiled_candidate(report: OptimizeReport, model: nn.Module,
                         optimizer: torch.optim.Optimizer, loss_fn: Optional[Callable],
                         batch: Any, step_settings: StepSettings, options: Dict[str, Any],
@@ -687,7 +700,7 @@ def _compiled_candidate(report: OptimizeReport, model: nn.Module,
     captured: Optional[_StepSnapshot] = None
     try:
         compiled_model = torch.compile(model, **options)
-        with time_limit(timeout, "building the compiled training step"):
+        with time_limit(timeout, "building the compiled training step"), _eager_random(options):
             step = TrainStep.from_parts(compiled_model, optimizer, loss_fn, batch,
                                         **step_settings.from_parts_kwargs())
         entry["compile_s"] = round(time.perf_counter() - started, 3)
