@@ -5,12 +5,9 @@ and the report says why."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import gc
 import logging
 import re
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -21,23 +18,23 @@ from torch import nn
 from . import _C, _progress, measure
 from ._C import GraphedError
 from ._experts import capturable_experts
-from ._compiled import CompileTimeout, time_limit, torch_compile_options, worth_compiling
+from ._compiled import torch_compile_options, worth_compiling
+from ._compiled_candidate import compiled_candidate
 from ._optimize_report import OptimizeReport
 from ._schedule import ScheduleRun, check_scheduler
-from ._state import RngSnapshot, Snapshot, ValueSnapshot, describe
+from ._state import RngSnapshot, Snapshot, describe
+from ._verify import _guard_state, _max_diff, _Rejected, _StepSnapshot, _then, _verify_step
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
                      advise_training, eager_training_step)
 from .capture import capture
-from .train import (StepSettings, TrainStep, batch_loss, check_batch_form, split_batch,
-                    training_state)
+from .train import StepSettings, TrainStep, batch_loss, check_batch_form, split_batch
 
 Progress = Callable[[str], None]
 
 logger = logging.getLogger(__name__)
 
 
-class _Rejected(Exception):
-    """A step decided not to apply graphs; the message says why."""
+
 
 
 # --- strategies -----------------------------------------------------------------
@@ -197,23 +194,6 @@ def _flatten(value: Any) -> List[torch.Tensor]:
     return []
 
 
-def _max_diff(expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], rtol: float,
-              atol: float, what: str) -> float:
-    if len(expected) != len(got):
-        raise _Rejected(f"the graphed {what} has {len(got)} tensors, eager {len(expected)}")
-    worst = 0.0
-    for index, (e, g) in enumerate(zip(expected, got)):
-        if e.shape != g.shape:
-            raise _Rejected(f"{what} tensor {index}: graphed shape {tuple(g.shape)}, eager "
-                            f"{tuple(e.shape)}")
-        diff = (e.float() - g.float()).abs()
-        worst = max(worst, diff.max().item() if diff.numel() else 0.0)
-        if not torch.allclose(g.float(), e.float(), rtol=rtol, atol=atol):
-            raise _Rejected(f"graphed {what} differ from eager: tensor {index} has max |diff| "
-                            f"{diff.max().item():.3g}, beyond rtol={rtol:g}, atol={atol:g}")
-    return worst
-
-
 def _package_of(path: str) -> Optional[str]:
     """``transformers/integrations/moe.py`` for a file inside an installed
     package, else None."""
@@ -276,24 +256,6 @@ def _choose(advice: Advice, force: bool) -> str:
         raise _Rejected(f"the recommended strategy {strategy} needs graphed.{missing}, which this "
                         "version of graphed does not have")
     return strategy
-
-
-class _StepSnapshot:
-    """The values a training step changes, restored in place after verify and
-    measure. An eager optimizer (per-block graphs) creates its state in the
-    first step: its state_dict is restored too, so that state made by the
-    verify steps does not carry over."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 guard_state: Sequence[torch.Tensor], eager_optimizer: bool) -> None:
-        self._values = ValueSnapshot(training_state([model], [optimizer], guard_state))
-        self._optimizer = optimizer
-        self._state = copy.deepcopy(optimizer.state_dict()) if eager_optimizer else None
-
-    def restore(self) -> None:
-        self._values.restore()
-        if self._state is not None:
-            self._optimizer.load_state_dict(copy.deepcopy(self._state))
 
 
 def _per_block_note(model: nn.Module, why: str) -> Tuple[str, Dict[str, Any]]:
@@ -611,10 +573,17 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
             progress("compiled candidate")
             step = captured = None  # the graphed candidate's graphs and buffers go
             gc.collect()
-            snapshot.restore()
-            step, captured = _compiled_candidate(
+
+            def back_to_reference_start() -> None:
+                snapshot.restore()
+                rng.restore()  # the verify steps start where the eager reference started
+                schedule.restore()
+
+            back_to_reference_start()
+            step, captured = compiled_candidate(
                 report, model, optimizer, loss_fn, batch, step_settings, compile_choice[1],
-                compile_timeout, snapshot, schedule, eager, expected, steps, settings)
+                compile_timeout, back_to_reference_start, schedule, eager, expected, steps,
+                settings)
             if step is None:  # the graphed candidate wins: captured again, as verified
                 step, undo = strategy.training(model, optimizer, loss_fn, batch, step_settings)
                 captured = _StepSnapshot(model, optimizer, _guard_state(step), False)
@@ -639,97 +608,3 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         snapshot.restore()
         schedule.restore()
     return report
-
-
-def _then(value: Any, action: Callable[[], None]) -> Any:
-    action()
-    return value
-
-
-def _guard_state(step: Any) -> Sequence[torch.Tensor]:
-    return step.guard.state() if getattr(step, "guard", None) is not None else []
-
-
-def _verify_step(step: Callable[[Any], Any], model: nn.Module, batch: Any, steps: int,
-                 schedule: ScheduleRun, expected: Tuple[List[Any], List[torch.Tensor], float],
-                 rtol: float, atol: float) -> float:
-    """Runs ``steps`` steps (the schedule stepped after each) and compares
-    losses and parameters with the eager reference's; the schedule put back."""
-    expected_losses, expected_params, reference_max_lr = expected
-    got_losses = [_then(step(batch), schedule.step) for _ in range(steps)]
-    got_params = [p.detach().clone() for p in model.parameters()]
-    # An adaptive optimizer (Adam) moves a parameter by up to about its
-    # learning rate per step however small the gradient, so rounding
-    # differences between eager and graphed kernels (TF32, split-K) can
-    # move a parameter by up to 2 x lr per step: parameters are compared
-    # with that bound, losses with rtol/atol.
-    step_bound = 2.0 * steps * max(schedule.max_lr, reference_max_lr)
-    diff = max(_max_diff(expected_losses, got_losses, rtol, atol, "losses"),
-               _max_diff(expected_params, got_params, rtol, max(atol, step_bound), "parameters"))
-    schedule.restore()
-    return diff
-
-
-def _eager_random(options: Dict[str, Any]) -> Any:
-    """While compiling: Inductor's random ops fall back to eager's (dropout
-    masks from the same generator as the eager reference) unless ``options``
-    set it; Note [A compiled candidate]."""
-    inductor_options = options.get("options") or {}
-    if options.get("backend", "inductor") != "inductor" or "fallback_random" in inductor_options:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(fallback_random=True)
-
-
-def _compiled_candidate(report: OptimizeReport, model: nn.Module,
-                        optimizer: torch.optim.Optimizer, loss_fn: Optional[Callable],
-                        batch: Any, step_settings: StepSettings, options: Dict[str, Any],
-                        timeout: Optional[float], snapshot: Snapshot, schedule: ScheduleRun,
-                        eager: Callable[[Any], Any], expected: Tuple[Any, Any, float],
-                        steps: int, settings: ProfileSettings
-                        ) -> Tuple[Optional[TrainStep], Optional[_StepSnapshot]]:
-    """The whole step over torch.compile(model), built, verified and timed
-    (Note [A compiled candidate] in python/graphed/_compiled.py): the step
-    and its snapshot when it is faster than the graphed candidate, else
-    (None, None) with the model and optimizer restored."""
-    entry = report.compiled
-    entry["built"] = True
-    started = time.perf_counter()
-    step: Optional[TrainStep] = None
-    captured: Optional[_StepSnapshot] = None
-    try:
-        compiled_model = torch.compile(model, **options)
-        with time_limit(timeout, "building the compiled training step"), _eager_random(options):
-            step = TrainStep.from_parts(compiled_model, optimizer, loss_fn, batch,
-                                        **step_settings.from_parts_kwargs())
-        entry["compile_s"] = round(time.perf_counter() - started, 3)
-        if timeout is not None and entry["compile_s"] > timeout:
-            raise CompileTimeout(f"building the compiled training step took "
-                                 f"{entry['compile_s']:.1f} s, past compile_timeout={timeout:g} s")
-        captured = _StepSnapshot(model, optimizer, _guard_state(step), False)
-        entry["max_abs_diff"] = _verify_step(step, model, batch, steps, schedule, expected,
-                                             report.rtol, report.atol)
-        captured.restore()
-        compiled_step = step
-        times = measure.compare_ms({"eager": lambda: eager(batch),
-                                    "compiled": lambda: compiled_step(batch)},
-                                   iters=settings.timed_iters, repeats=settings.timed_repeats)
-        entry.update(ms=times["compiled"], eager_ms=times["eager"], graphed_ms=report.graphed_ms)
-        if times["compiled"] < report.graphed_ms:
-            entry["chosen"] = True
-            report.graphed_ms, report.max_abs_diff = times["compiled"], entry["max_abs_diff"]
-            report.notes += [n for n in getattr(step, "notes", []) if n not in report.notes]
-            report.notes.append(
-                f"the step is captured over torch.compile(model) (Inductor's fused kernels): "
-                f"{times['compiled']:.3f} ms against {entry['graphed_ms']:.3f} ms without; "
-                f"compiled and captured in {entry['compile_s']:.1f} s")
-            return step, captured
-    except Exception as error:  # noqa: BLE001 - a failed candidate leaves the graphed one
-        entry["error"] = f"{type(error).__name__}: {error}"[:2000]
-    entry.setdefault("compile_s", round(time.perf_counter() - started, 3))
-    step = captured = None
-    gc.collect()
-    snapshot.restore()
-    schedule.restore()
-    return None, None
