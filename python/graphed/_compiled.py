@@ -42,6 +42,10 @@ graphed one:
 - Modes that record Inductor's own CUDA graphs (reduce-overhead,
   max-autotune, ``triton.cudagraphs``) are refused: those graphs cannot be
   captured inside graphed's.
+- Inference (``optimize(model, sample_batch=x, compile=...)``): the
+  compiled capture is built next to the graphed one (inference graphs own
+  no gradients, so both live), verified against the eager outputs and timed
+  side by side with it and eager; the slower is dropped.
 - Whatever fails (compile errors, numerics, the time limit) is reported in
   ``report.compiled`` and leaves the graphed candidate in place."""
 

@@ -16,7 +16,7 @@ from . import measure
 from ._compiled import CompileTimeout, time_limit
 from ._optimize_report import OptimizeReport
 from ._schedule import ScheduleRun
-from ._verify import _guard_state, _StepSnapshot, _then, _verify_step
+from ._verify import _flatten, _guard_state, _max_diff, _StepSnapshot, _then, _verify_step
 from .advise import ProfileSettings
 from .train import StepSettings, TrainStep, training_iteration
 
@@ -122,3 +122,48 @@ def _compiled_reference(compiled_model: nn.Module, optimizer: torch.optim.Optimi
     losses = [_then(iteration(batch).detach().clone(), schedule.step) for _ in range(steps)]
     params = [p.detach().clone() for p in compiled_model.parameters()]
     return losses, params, schedule.max_lr
+
+
+def compiled_inference_candidate(report: OptimizeReport, model: Any, args: Tuple[Any, ...],
+                                 graphed_fn: Callable[..., Any], expected: List[torch.Tensor],
+                                 options: Dict[str, Any],
+                                 timeout: Optional[float], settings: ProfileSettings
+                                 ) -> Optional[Callable[..., Any]]:
+    """graphed.capture over torch.compile(model), built, verified against the
+    eager outputs and timed side by side with the graphed candidate (both
+    live: inference graphs own no gradients): the compiled capture when it is
+    faster, else None. Runs under torch.no_grad()."""
+    from .capture import capture
+
+    entry = report.compiled
+    entry["built"] = True
+    started = time.perf_counter()
+    try:
+        compiled_model = torch.compile(model, **options)
+        with time_limit(timeout, "building the compiled capture"), _eager_random(options):
+            fast = capture(compiled_model, *args)
+        entry["compile_s"] = round(time.perf_counter() - started, 3)
+        if timeout is not None and entry["compile_s"] > timeout:
+            raise CompileTimeout(f"building the compiled capture took {entry['compile_s']:.1f} "
+                                 f"s, past compile_timeout={timeout:g} s")
+        entry["max_abs_diff"] = _max_diff(expected, _flatten(fast(*args)), report.rtol,
+                                          report.atol, "outputs")
+        times = measure.compare_ms({"eager": lambda: model(*args),
+                                    "graphed": lambda: graphed_fn(*args),
+                                    "compiled": lambda: fast(*args)},
+                                   iters=settings.timed_iters, repeats=settings.timed_repeats)
+        entry.update(ms=times["compiled"], eager_ms=times["eager"], graphed_ms=times["graphed"])
+        if times["compiled"] < times["graphed"]:
+            entry["chosen"] = True
+            report.eager_ms, report.graphed_ms = times["eager"], times["compiled"]
+            report.max_abs_diff = entry["max_abs_diff"]
+            report.notes.append(
+                f"captured over torch.compile(model) (Inductor's fused kernels): "
+                f"{times['compiled']:.3f} ms against {times['graphed']:.3f} ms without; "
+                f"compiled and captured in {entry['compile_s']:.1f} s")
+            return fast
+    except Exception as error:  # noqa: BLE001 - a failed candidate leaves the graphed one
+        entry["error"] = f"{type(error).__name__}: {error}"[:2000]
+    entry.setdefault("compile_s", round(time.perf_counter() - started, 3))
+    gc.collect()
+    return None

@@ -19,6 +19,16 @@ class _Rejected(Exception):
     """A step decided not to apply graphs; the message says why."""
 
 
+def _flatten(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=str) for t in _flatten(value[k])]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flatten(v)]
+    return []
+
+
 def _max_diff(expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], rtol: float,
               atol: float, what: str) -> float:
     if len(expected) != len(got):

@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                              help="training: a step whose loss or gradients are not finite "
                                   "changes nothing")
     optimize.add_argument("--compile", choices=["off", "on", "auto"], default="off",
-                          help="training: also build the step over torch.compile(model) "
+                          help="also build the step (or call) over torch.compile(model) "
                                "(Inductor's fusion, captured by graphed) and keep the faster; "
                                "auto: only where advise predicts it pays (default: off)")
     bench = commands.add_parser(
@@ -253,20 +253,15 @@ def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
         return 2
     if not _options_fit("optimize", spec, workload, step, err):
         return 2
-    if compile_mode != "off" and not isinstance(workload, TrainingWorkload):
-        print(f"graphed optimize: --compile applies to training workloads; factory {spec!r} "
-              "returned an inference workload (fn, args). Return torch.compile(model) as the "
-              "function instead, or drop --compile.", file=err)
-        return 2
     if not _need_gpu("optimize", err):
         return 2
     from .optimize import optimize
 
     progress = Progress(6, "graphed optimize", file=err)
+    compile = {"off": False, "on": True, "auto": "auto"}[compile_mode]
     if isinstance(workload, TrainingWorkload):
         report = optimize(workload.model, workload.optimizer, workload.loss_fn,
-                          sample_batch=workload.batch, progress=progress,
-                          compile={"off": False, "on": True, "auto": "auto"}[compile_mode],
+                          sample_batch=workload.batch, progress=progress, compile=compile,
                           **step)
     elif workload.kwargs:
         progress.close()
@@ -275,7 +270,8 @@ def _run_optimize(spec: str, as_json: bool, plot: Optional[str], out: TextIO,
               "(fn, args) or (model, optimizer, loss_fn, batch)", file=err)
         return 2
     else:
-        report = optimize(workload.fn, sample_batch=workload.args, progress=progress)
+        report = optimize(workload.fn, sample_batch=workload.args, progress=progress,
+                          compile=compile)
     if plot and report.advice is not None:
         from .plot import timeline_png
 

@@ -10,7 +10,7 @@ import logging
 import re
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -19,11 +19,11 @@ from . import _C, _progress, measure
 from ._C import GraphedError
 from ._experts import capturable_experts
 from ._compiled import torch_compile_options, worth_compiling
-from ._compiled_candidate import compiled_candidate
+from ._compiled_candidate import compiled_candidate, compiled_inference_candidate
 from ._optimize_report import OptimizeReport
 from ._schedule import ScheduleRun, check_scheduler
 from ._state import RngSnapshot, Snapshot, describe
-from ._verify import _guard_state, _max_diff, _Rejected, _StepSnapshot, _then, _verify_step
+from ._verify import _flatten, _guard_state, _max_diff, _Rejected, _StepSnapshot, _then, _verify_step
 from .advise import (Advice, ProfileSettings, _copies, _outermost_module_calls, advise,
                      advise_training, eager_training_step)
 from .capture import capture
@@ -182,16 +182,6 @@ STRATEGIES: Dict[str, _Strategy] = {
 
 
 # --- optimize ----------------------------------------------------------------------
-
-
-def _flatten(value: Any) -> List[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for k in sorted(value, key=str) for t in _flatten(value[k])]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flatten(v)]
-    return []
 
 
 def _package_of(path: str) -> Optional[str]:
@@ -356,11 +346,12 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     the scheduler fills in place): keep calling ``scheduler.step()`` in your
     loop.
 
-    ``compile`` (training form, whole-step capture): ``False`` (the default)
-    captures the model as it is; ``True`` or a dict of torch.compile's
-    arguments also builds the step over ``torch.compile(model)`` (Inductor's
-    fused kernels, captured by graphed), verifies it against the same eager
-    reference, times it, and keeps the faster; ``"auto"`` does so only where
+    ``compile`` (whole captures: a training step or an inference call):
+    ``False`` (the default) captures the model as it is; ``True`` or a dict
+    of torch.compile's arguments also builds the step (or the call) over
+    ``torch.compile(model)`` (Inductor's fused kernels, captured by
+    graphed), verifies it against the same eager reference, times it, and
+    keeps the faster; ``"auto"`` does so only where
     advise predicts the compiled step at least 8% faster (Note [Predicting a
     compiled step] in src/compile_estimate.cpp). Modes that record CUDA graphs
     of their own (reduce-overhead, max-autotune) are refused.
@@ -394,10 +385,6 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
                         skip_nonfinite=skip_nonfinite)
     check_scheduler(scheduler, optimizer)
     compile_choice = torch_compile_options(compile, "training step", allow_auto=True)
-    if optimizer is None and compile_choice[0] != "off":
-        raise GraphedError("compile= applies to the training form of optimize for now; for "
-                           "inference, pass torch.compile(model) (Inductor's default mode) as the "
-                           "model.")
     if optimizer is None and step != StepSettings():
         raise GraphedError(
             f"{step.describe()} applies to the training form of optimize (with an optimizer); "
@@ -415,7 +402,8 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     stages = _LoggedStages(progress, "inference" if optimizer is None else "training step")
     try:
         if optimizer is None:
-            report = _optimize_inference(model, sample_batch, rtol, atol, force, settings, stages)
+            report = _optimize_inference(model, sample_batch, rtol, atol, force, settings, stages,
+                                         compile_choice, compile_timeout)
         else:
             report = _optimize_training(model, optimizer, loss_fn, sample_batch, rtol, atol,
                                         verify_steps, force, settings, stages, step, scheduler,
@@ -448,7 +436,9 @@ def _trace_replays(fn: Callable[[], Any]) -> Optional[Dict[str, Any]]:
 
 
 def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float, force: bool,
-                        settings: ProfileSettings, progress: Progress) -> OptimizeReport:
+                        settings: ProfileSettings, progress: Progress,
+                        compile_choice: Tuple[str, Optional[Dict[str, Any]]] = ("off", None),
+                        compile_timeout: Optional[float] = None) -> OptimizeReport:
     args = sample_batch if isinstance(sample_batch, tuple) else (sample_batch,)
     report = OptimizeReport(describe(model), training=False, rtol=rtol, atol=atol)
     snapshot = Snapshot(model if isinstance(model, nn.Module) else None)
@@ -483,10 +473,26 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
             if report.graphed_ms >= report.eager_ms and not force:
                 raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
                                 f"{report.eager_ms:.3f} ms eager")
+            build_compiled, why = worth_compiling(compile_choice[0], report.advice)
+            if compile_choice[0] != "off":
+                report.compiled = {"built": False, "why": why, "chosen": False,
+                                   "options": compile_choice[1]}
+            if build_compiled and report.strategy == "full_capture":
+                progress("compiled candidate")
+                faster = compiled_inference_candidate(report, model, args, fast, expected,
+                                                      compile_choice[1], compile_timeout,
+                                                      settings)
+                fast = faster or fast
+            elif build_compiled:
+                report.compiled["why"] = (f"not built: the {report.strategy} strategy runs "
+                                          "eager code between graphs; compile applies to a "
+                                          "whole capture")
             report.graphed_trace = _trace_replays(lambda: fast(*args))
         report.applied, report.fn = True, fast
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager, outputs "
                          "match")
+        if report.compiled.get("chosen"):
+            report.reason += "; captured over torch.compile(model), faster than without"
         snapshot.rng.restore()
     except Exception as error:  # noqa: BLE001 - every failure is reported, state restored
         _fail(report, error)

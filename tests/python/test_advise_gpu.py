@@ -256,6 +256,20 @@ def test_compile_auto_follows_the_prediction():
     assert report.compiled["why"]
 
 
+def test_optimize_inference_keeps_the_faster_of_graphed_and_compiled_captures():
+    workloads.configure_numerics()
+    model, x = workloads.mlp_inference()
+    report = graphed.optimize(model, sample_batch=x, settings=QUICK, compile=True,
+                              compile_timeout=300)
+    assert report.applied, str(report)
+    compiled = report.compiled
+    assert compiled["built"] and "error" not in compiled, compiled
+    assert compiled["chosen"] == (compiled["ms"] < compiled["graphed_ms"])
+    assert report.graphed_ms == pytest.approx(min(compiled["ms"], compiled["graphed_ms"]))
+    with torch.no_grad():
+        torch.testing.assert_close(report.fn(x), model(x), rtol=1e-3, atol=1e-3)
+
+
 def test_optimize_refuses_blockers_inside_modules_and_changes_nothing():
     class Blocked(torch.nn.Module):
         def __init__(self):

@@ -39,9 +39,10 @@ def test_auto_is_not_for_generate():
         torch_compile_options("auto", "decode step")
 
 
-def test_compile_belongs_to_the_training_form():
-    with pytest.raises(graphed.GraphedError, match="compile= applies to the training form"):
-        graphed.optimize(torch.nn.Linear(4, 4), sample_batch=torch.ones(2, 4), compile=True)
+def test_compile_settings_are_checked_for_inference_too():
+    with pytest.raises(graphed.GraphedError, match="records no CUDA graphs of its own"):
+        graphed.optimize(torch.nn.Linear(4, 4), sample_batch=torch.ones(2, 4),
+                         compile={"mode": "reduce-overhead"})
 
 
 class _Advice:
