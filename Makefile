@@ -9,9 +9,10 @@ TORCH_PIN ?= torch==2.14.1
 # Libraries whose models the tests run graphed on (optional for users); the
 # torchvision that matches TORCH_PIN, the transformers the GPU machine has.
 MODEL_LIBRARIES ?= transformers==5.17.0 timm torchvision==0.29.1
-# The frameworks graphed.integrations adapts (as on the GPU machine), for the
-# CPU tier's tests of the callbacks' argument handling and fallbacks.
-FRAMEWORKS ?= lightning==2.6.6 accelerate
+# The frameworks graphed.integrations adapts (lightning and accelerate as on the
+# GPU machine; TRL, which the GPU machine lacks, travels there as wheels), for
+# the CPU tier's tests of the callbacks' argument handling and fallbacks.
+FRAMEWORKS ?= lightning==2.6.6 accelerate trl==1.16.0 datasets
 BUILD_DIR := build/py
 PIP_BUILD := $(PIP) install --no-build-isolation --no-deps -C build-dir=$(BUILD_DIR)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -36,7 +37,7 @@ deps-test: deps-build
 		$(PIP) install pytest numpy hypothesis
 	@$(PYTHON) -c "import transformers, timm, torchvision" 2>/dev/null || \
 		$(PIP) install $(MODEL_LIBRARIES)
-	@$(PYTHON) -c "import lightning, accelerate" 2>/dev/null || \
+	@$(PYTHON) -c "import lightning, accelerate, trl, datasets" 2>/dev/null || \
 		$(PIP) install $(FRAMEWORKS) "$$($(PYTHON) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
 	@[ -f /usr/src/googletest/CMakeLists.txt ] || [ -n "$$GRAPHED_GTEST_SOURCE_DIR" ] || \
 		$(SUDO) apt-get install -y -q libgtest-dev >/dev/null || \
