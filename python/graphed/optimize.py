@@ -418,6 +418,21 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     return report
 
 
+def _build_compiled(report: OptimizeReport,
+                    compile_choice: Tuple[str, Optional[Dict[str, Any]]]) -> bool:
+    """Whether to build the compiled candidate (Note [A compiled candidate]);
+    records the decision and its reason in ``report.compiled``."""
+    choice, options = compile_choice
+    if choice == "off":
+        return False
+    build, why = worth_compiling(choice, report.advice)
+    if build and report.strategy != "full_capture":
+        build, why = False, (f"not built: the {report.strategy} strategy runs eager code between "
+                             "graphs; compile applies to a whole capture")
+    report.compiled = {"built": False, "why": why, "chosen": False, "options": options}
+    return build
+
+
 def _fail(report: OptimizeReport, error: BaseException) -> None:
     if isinstance(error, _Rejected):
         report.reason = str(error)
@@ -473,20 +488,12 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
             if report.graphed_ms >= report.eager_ms and not force:
                 raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
                                 f"{report.eager_ms:.3f} ms eager")
-            build_compiled, why = worth_compiling(compile_choice[0], report.advice)
-            if compile_choice[0] != "off":
-                report.compiled = {"built": False, "why": why, "chosen": False,
-                                   "options": compile_choice[1]}
-            if build_compiled and report.strategy == "full_capture":
+            if _build_compiled(report, compile_choice):
                 progress("compiled candidate")
                 faster = compiled_inference_candidate(report, model, args, fast, expected,
                                                       compile_choice[1], compile_timeout,
                                                       settings)
                 fast = faster or fast
-            elif build_compiled:
-                report.compiled["why"] = (f"not built: the {report.strategy} strategy runs "
-                                          "eager code between graphs; compile applies to a "
-                                          "whole capture")
             report.graphed_trace = _trace_replays(lambda: fast(*args))
         report.applied, report.fn = True, fast
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager, outputs "
@@ -570,11 +577,7 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
             raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
                             f"{report.eager_ms:.3f} ms eager")
         captured.restore()
-        build_compiled, why = worth_compiling(compile_choice[0], report.advice)
-        if compile_choice[0] != "off":
-            report.compiled = {"built": False, "why": why, "chosen": False,
-                               "options": compile_choice[1]}
-        if build_compiled and report.strategy == "full_capture":
+        if _build_compiled(report, compile_choice):
             # Note [A compiled candidate] in python/graphed/_compiled.py.
             progress("compiled candidate")
             step = captured = None  # the graphed candidate's graphs and buffers go
@@ -593,10 +596,6 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
             if step is None:  # the graphed candidate wins: captured again, as verified
                 step, undo = strategy.training(model, optimizer, loss_fn, batch, step_settings)
                 captured = _StepSnapshot(model, optimizer, _guard_state(step), False)
-        elif build_compiled:
-            report.compiled["why"] = (f"not built: the {report.strategy} strategy runs eager "
-                                      "code between graphs; compile applies to whole-step "
-                                      "capture")
         report.graphed_trace = _trace_replays(lambda: step(batch))
         captured.restore()
         report.applied, report.fn = True, step
