@@ -59,6 +59,10 @@ constexpr std::array<std::string_view, 2> kGenerated = {"triton_", "triton__"};
 constexpr std::array<std::string_view, 2> kCollective = {"nccl", "all_reduce"};
 constexpr std::array<std::string_view, 7> kAttention = {
     "flash_fwd", "flash_bwd", "fmha", "sdpa", "attention", "flash_attn", "mha_"};
+// cuDNN's batch norms and poolings say "cudnn" but are memory-bound ops that
+// Inductor decomposes and fuses into its own kernels, as it does the native ones.
+constexpr std::array<std::string_view, 6> kCudnnFusible = {
+    "bn_fw", "bn_bw", "batchnorm", "batch_norm", "pooling_fw", "pooling_bw"};
 constexpr std::array<std::string_view, 11> kConvolution = {
     "conv1d", "conv2d", "conv3d", "convolve", "depthwise", "fprop", "dgrad", "wgrad",
     "implicit_gemm", "winograd", "cudnn"};
@@ -92,8 +96,8 @@ std::string_view kernel_class_name(KernelClass kind) {
 
 KernelClass classify_kernel(std::string_view name) {
   const std::string n = lower(name);
-  // Order matters: cuDNN's attention kernels say "cudnn" and "sdpa",
-  // cuDNN's convolutions say "gemm" ("implicit_gemm").
+  // Order matters: cuDNN's attention kernels say "cudnn" and "sdpa", its batch
+  // norms "cudnn" and "bn_fw", its convolutions "gemm" ("implicit_gemm").
   if (has_any(n, kGenerated)) {
     return KernelClass::kGenerated;
   }
@@ -102,6 +106,9 @@ KernelClass classify_kernel(std::string_view name) {
   }
   if (has_any(n, kAttention)) {
     return KernelClass::kAttention;
+  }
+  if (has_any(n, kCudnnFusible)) {
+    return KernelClass::kFusible;
   }
   if (has_any(n, kConvolution)) {
     return KernelClass::kConvolution;

@@ -261,7 +261,12 @@ std::unique_ptr<GraphEntry> make_inference_entry(const GraphEntryRequest& reques
   std::optional<c10::Device> device;
   for (const c10::IValue& input : request.sample) {
     for_each_tensor(input, [&](const at::Tensor& tensor) {
-      if (!device && tensor.defined() && tensor.is_cuda()) device = tensor.device();
+      if (!tensor.defined()) return;
+      GRAPHED_CHECK_AS(CaptureError, tensor.is_cuda(), "Cannot graph ", request.description,
+                       " for inference: an input is ", describe_tensor(tensor),
+                       ", and graphs replay GPU work only. Move the model and its inputs to "
+                       "the GPU.");
+      if (!device) device = tensor.device();
     });
   }
   const c10::DeviceIndex index = device ? device->index() : c10::cuda::current_device();

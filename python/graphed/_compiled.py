@@ -47,14 +47,44 @@ graphed one:
   no gradients, so both live), verified against the eager outputs and timed
   side by side with it and eager; the slower is dropped.
 - Whatever fails (compile errors, numerics, the time limit) is reported in
-  ``report.compiled`` and leaves the graphed candidate in place."""
+  ``report.compiled`` and leaves the graphed candidate in place.
+
+Note [Compiled blocks in graphed.auto]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``auto(model, compile=True)`` is vLLM's arrangement: compiled pieces,
+captured by the caller. What the core calls as a managed module's eager
+forward (warm-up, capture, fallbacks of an out-of-order call) becomes the
+class's forward under torch.compile, called with the module as its first
+argument (held weakly, as any eager forward: _weak_forward.py). So:
+
+- The warm-up calls compile; the capture records the compiled kernels and
+  compiles nothing, as the inputs, parameters and global state it runs with
+  are those the warm-up met (a guard that failed only under capture would
+  recompile inside it, which no capture survives: Note [The mask rules under
+  torch.compile] in integrations/transformers_masks.py).
+- The calls run with autocast's weight cache off, as graphed's captures
+  and checks do (Note [Autocast's cache while graphed.auto captures]):
+  Dynamo guards on it, and a warm-up compiled with it on would compile
+  again under the capture.
+- Repeated blocks share one compiled function per class: Dynamo treats the
+  module's parameters as inputs (inlined built-in modules, torch's default
+  since 2.5), so twelve layers compile once, as torch's regional compilation
+  recipe does with ``layer.compile()``. ``layer.compile()`` itself cannot be
+  used: it compiles ``__call__``, which calls the managed forward that
+  graphed installs, and Dynamo would trace into the core.
+- A module that can never use a graph runs its own, uncompiled forward
+  again (its parts are managed in its place, and a compiled forward would
+  trace into their managed forwards).
+- Training: the compiled forward's backward (AOTAutograd's) is compiled on
+  the first warm-up backward and captured in the backward graph like any
+  other."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from ._C import GraphedError
 
@@ -113,6 +143,52 @@ def worth_compiling(choice: str, advice: Any) -> Tuple[bool, str]:
                       f"(fusible kernels {compiled['fusible_ms']:.3f} ms)")
     return False, (f"not built: predicted {predicted:.3f} ms compiled against {graphed:.3f} ms "
                    f"graphed, under the {100 * (1 - AUTO_GAIN):.0f}% gain that pays a compile")
+
+
+def compiled_forward(module: Any, options: Dict[str, Any],
+                     shared: Dict[Any, Callable[..., Any]]) -> Callable[..., Any]:
+    """``module``'s forward under torch.compile, holding ``module`` weakly
+    (Note [Compiled blocks in graphed.auto]); ``shared`` maps a class's
+    forward function to its compiled function, so that instances of one
+    class share it. A forward set on the instance is compiled on its own."""
+    import inspect
+    import weakref
+
+    import torch
+
+    original = module.forward
+    if not (inspect.ismethod(original) and original.__self__ is module):
+        if original not in shared:
+            shared[original] = torch.compile(original, **options)
+        return shared[original]
+    function = original.__func__
+    if function not in shared:
+        shared[function] = torch.compile(function, **options)
+    compiled, module_ref, name = shared[function], weakref.ref(module), type(module).__name__
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        target = module_ref()
+        if target is None:
+            raise GraphedError(
+                f"Expected the {name} whose forward was compiled and graphed to be alive for a "
+                f"call, but it was deleted. Keep the module for as long as you call it; see "
+                f"docs/troubleshooting.md#graphed-callables-arguments.")
+        # Captures run with autocast's cache off; so does every call here, so
+        # that Dynamo's guard on it holds from the warm-up to the capture.
+        cached = torch.is_autocast_cache_enabled()
+        if cached:
+            torch.set_autocast_cache_enabled(False)
+        try:
+            return compiled(target, *args, **kwargs)
+        finally:
+            if cached:
+                torch.set_autocast_cache_enabled(True)
+
+    try:
+        forward.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    return forward
 
 
 class CompileTimeout(GraphedError):

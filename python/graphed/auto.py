@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import _C
+from ._compiled import compiled_forward, torch_compile_options
 from ._experts import capturable_experts
 from ._progress import CaptureProgress
 from ._weak_forward import weak_forward
@@ -42,6 +43,7 @@ def auto(
     check: bool = True,
     capture_error_mode: str = "global",
     input_update: str = "copy",
+    compile: Any = False,
 ) -> nn.Module:
     """Graph ``model``'s submodules automatically; returns ``model`` itself.
 
@@ -91,6 +93,14 @@ def auto(
             that holds the input's address (Note [Re-pointing a graph]),
             while a copy is right always; bench/decode.py measures both
             (graphed_auto vs graphed_auto_repoint).
+        compile: ``True`` (or a dict of torch.compile's arguments) compiles
+            each managed module's forward with torch.compile (Inductor's
+            default mode: fused kernels, no CUDA graphs of its own) before its
+            capture: the warm-up calls compile, the capture records the
+            compiled kernels (Note [Compiled blocks in graphed.auto]).
+            Repeated blocks share one compiled forward. Modes that record
+            CUDA graphs of their own (``reduce-overhead``) are refused.
+            ``False`` (the default): the modules' own forwards.
 
     Outputs of a replay are the graph's buffers, valid until the module's
     next call at any bucket (clone them to keep them longer). The modules'
@@ -136,6 +146,8 @@ def auto(
     names = _C.select_repeated_blocks(infos) if modules is None else _resolve(model, modules)
     _C.validate_module_selection(names, infos)
     pick_buckets = isinstance(buckets, str) and buckets == "auto"
+    _, compile_options = torch_compile_options(compile, "block")
+    compiled_forwards: Dict[Any, Callable[..., Any]] = {}
     manager = _C.GraphManager(
         warmup=warmup,
         buckets=None if pick_buckets else _buckets(buckets),
@@ -165,7 +177,8 @@ def auto(
         index = manager.add_module(
             name,
             type(module).__name__,
-            _eager_forward(module),
+            (_eager_forward(module) if compile_options is None
+             else compiled_forward(module, compile_options, compiled_forwards)),
             list(module.buffers()),
             list(module.parameters()),
             # Read on every call: Note [Modules whose tensors moved].
@@ -198,6 +211,10 @@ def auto(
     object.__setattr__(model, _OWN_FORWARDS_ATTRIBUTE, own_forwards)
     experts_before = _experts_implementations(model)
     notes = capturable_experts(model) + _turn_cache_off_in_training(model)
+    if compile_options is not None:
+        notes.append(f"each managed module's forward runs under torch.compile"
+                     f"({_shown(compile_options)}) before its capture; "
+                     f"{len(compiled_forwards)} compiled forward(s) for {len(names)} module(s)")
     object.__setattr__(model, _NOTES_ATTRIBUTE, notes)
 
     def undo() -> None:
@@ -372,6 +389,10 @@ def _eager_forward(module: nn.Module):
     in the model, and a strong reference back from C++ would keep both alive
     (with their graphs and GPU memory) after the user drops the model."""
     return weak_forward(module, _signature_of(module.forward))
+
+
+def _shown(options: Dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in options.items())
 
 
 def _signature_of(forward: Callable[..., Any]) -> Optional[inspect.Signature]:

@@ -54,6 +54,12 @@ TEST(ClassifyKernel, TellsApartWhatFusionKeepsFromWhatItMerges) {
       {"void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>",
        KernelClass::kFusible},
       {"void at::native::index_elementwise_kernel<128, 4>", KernelClass::kFusible},
+      {"void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1>",
+       KernelClass::kFusible},
+      {"void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 512, true, 1>",
+       KernelClass::kFusible},
+      {"void cudnn::pooling_fw_4d_kernel<float, float, cudnn::maxpooling_func<float>>",
+       KernelClass::kFusible},
   };
   for (const auto& [name, expected] : names) {
     EXPECT_EQ(classify_kernel(name), expected)

@@ -154,6 +154,22 @@ def test_training_calls_run_eagerly_and_are_counted():
     assert stats["replays"] == 0
 
 
+def test_inference_calls_on_the_cpu_fall_back_with_the_reason():
+    torch.manual_seed(0)
+    net = Net().eval()
+    reference = Net().eval()
+    reference.load_state_dict(net.state_dict())
+    model = graphed.auto(net, warmup=1, check=False, buckets=None)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x), reference(x))
+    stats = model.stats()
+    assert stats["fallbacks"] and stats["replays"] == 0
+    assert all("for inference: an input is" in f["reason"] and "Move the model" in f["reason"]
+               for f in stats["fallbacks"]), stats["fallbacks"]
+
+
 class ItemBlock(nn.Module):
     def __init__(self):
         super().__init__()

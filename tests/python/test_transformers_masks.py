@@ -113,3 +113,41 @@ def test_the_eager_attention_mask_under_capture_has_eager_values_without_a_host_
     got = masking_utils.eager_mask(**arguments)
     assert made == []
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_compiled_code_does_not_depend_on_whether_a_stream_captures(monkeypatch):
+    """Note [The mask rules under torch.compile]: a model compiled during
+    warm-up runs the same compiled code while a stream captures, with no
+    recompile (T5 without an attention mask failed so under
+    optimize(compile=True))."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    transformers_masks.install()
+    capturing = [False]
+
+    @torch._dynamo.disable
+    def stream_is_capturing():
+        return capturing[0]
+
+    monkeypatch.setattr(transformers_masks, "_stream_capturing", stream_is_capturing)
+    compiles = []
+
+    def counting_backend(graph, example_inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = T5Config(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2,
+                      d_kv=16, vocab_size=64, decoder_start_token_id=0, pad_token_id=0,
+                      eos_token_id=1)
+    model = T5ForConditionalGeneration(config).train()
+    compiled = torch.compile(model, backend=counting_backend)
+    ids, labels = torch.randint(2, 64, (2, 12)), torch.randint(2, 64, (2, 5))
+    for _ in range(2):
+        compiled(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    warm = len(compiles)
+    capturing[0] = True
+    compiled(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    torch._dynamo.reset()
+    assert len(compiles) == warm, "Dynamo compiled again once the stream reported a capture"

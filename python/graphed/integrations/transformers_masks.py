@@ -39,6 +39,20 @@ could not be captured (masking_utils.py:604). While a stream captures,
 graphed's eager mask builds the same boolean mask with transformers' own
 sdpa_mask and the same where() with a zero made on the device: the same
 values, and no copy. Outside captures transformers' function runs unchanged.
+
+Note [The mask rules under torch.compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+While Dynamo traces, the rules here step aside (``_capturing()`` is False):
+the traced code is transformers' own, whose ``is_tracing()`` is true under
+Dynamo, so the compiled graph materializes the mask, for warm-up and capture
+alike. Asking the stream instead (``torch.cuda.is_current_stream_capturing``
+is no function Dynamo can fold) broke the graph there and made the code after
+the break depend on the answer: a mask computed eagerly came back as a tensor
+during warm-up and as None during the capture, Dynamo's guard on its type
+failed, and it recompiled inside the capture, which no capture survives (T5
+under ``optimize(..., compile=True)`` on the H200: Inductor's compile failed
+at a host read). Stepping aside also removes the graph breaks themselves:
+T5's compiled forward became one graph instead of a dozen.
 """
 
 from __future__ import annotations
@@ -57,6 +71,14 @@ prefill_padding = threading.local()
 
 
 def _capturing() -> bool:
+    """Whether a stream captures, as the rules here ask it; False while Dynamo
+    traces (Note [The mask rules under torch.compile])."""
+    if torch.compiler.is_compiling():
+        return False
+    return _stream_capturing()
+
+
+def _stream_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
