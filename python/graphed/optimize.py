@@ -221,7 +221,25 @@ def _where_blockers_sit(blockers: Sequence[Dict[str, Any]]) -> str:
             "graphed.check lists (see the advice below)")
 
 
-def _choose(advice: Advice, force: bool) -> str:
+#: The predicted speedup over eager under which advise says "won't help
+#: much" (AdviceInputs::helps_above in include/graphed/advice.h); the
+#: compiled step's prediction must clear it too for optimize to build it
+#: where graphs alone would not pay.
+HELPS_ABOVE = 1.2
+
+
+def _compiled_speedup(advice: Advice,
+                      compile_choice: Tuple[str, Optional[Dict[str, Any]]]) -> Optional[float]:
+    """advise's predicted speedup of the compiled step over eager, where a
+    compiled candidate may be built (compile= not off), else None."""
+    compiled = advice.to_dict().get("compiled")
+    if compile_choice[0] == "off" or not compiled or not compiled.get("predicted_ms"):
+        return None
+    return advice.eager_ms / compiled["predicted_ms"]
+
+
+def _choose(advice: Advice, force: bool,
+            compile_choice: Tuple[str, Optional[Dict[str, Any]]] = ("off", None)) -> str:
     strategy = advice.strategy
     if strategy == "fix_blockers":
         trial = advice.trial_capture
@@ -237,9 +255,14 @@ def _choose(advice: Advice, force: bool) -> str:
                             "lists (see the advice below)")
         raise _Rejected(_where_blockers_sit(advice.blockers))
     if strategy == "stay_eager":
-        if not force:
-            raise _Rejected(f"{advice.verdict}: predicted {advice.predicted_speedup:.2f}x; pass "
-                            "force=True to apply graphs anyway")
+        # Graphs alone would not pay, but Inductor's fusion may: a GPU-bound
+        # step is where fewer kernels matter most (Note [A compiled candidate]).
+        compiled = _compiled_speedup(advice, compile_choice)
+        if not force and (compiled is None or compiled < HELPS_ABOVE):
+            also = ("" if compiled is None else
+                    f", {compiled:.2f}x compiled")
+            raise _Rejected(f"{advice.verdict}: predicted {advice.predicted_speedup:.2f}x"
+                            f"{also}; pass force=True to apply graphs anyway")
         return "full_capture"
     missing = STRATEGIES[strategy].missing()
     if missing:
@@ -433,6 +456,13 @@ def _build_compiled(report: OptimizeReport,
     return build
 
 
+def _reject_if_slower(report: OptimizeReport, force: bool) -> None:
+    """The graphed candidate (the one kept) must beat eager, unless forced."""
+    if report.graphed_ms >= report.eager_ms and not force:
+        raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
+                        f"{report.eager_ms:.3f} ms eager")
+
+
 def _fail(report: OptimizeReport, error: BaseException) -> None:
     if isinstance(error, _Rejected):
         report.reason = str(error)
@@ -463,7 +493,7 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
             progress("check and advise")
             report.advice = advise(model, *args, settings=settings)
             report.check_false_findings = list(report.advice.check_false_findings)
-            report.strategy = _choose(report.advice, force)
+            report.strategy = _choose(report.advice, force, compile_choice)
             strategy = STRATEGIES[report.strategy]
             expected = [t.clone() for t in _flatten(model(*args))]
             if strategy.in_place:
@@ -485,15 +515,16 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
                                            iters=settings.timed_iters,
                                            repeats=settings.timed_repeats)
                 report.eager_ms, report.graphed_ms = times["eager"], times["graphed"]
-            if report.graphed_ms >= report.eager_ms and not force:
-                raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
-                                f"{report.eager_ms:.3f} ms eager")
-            if _build_compiled(report, compile_choice):
+            build_compiled = _build_compiled(report, compile_choice)
+            if not build_compiled:
+                _reject_if_slower(report, force)
+            else:
                 progress("compiled candidate")
                 faster = compiled_inference_candidate(report, model, args, fast, expected,
                                                       compile_choice[1], compile_timeout,
                                                       settings)
                 fast = faster or fast
+                _reject_if_slower(report, force)  # the faster of the two beats eager
             report.graphed_trace = _trace_replays(lambda: fast(*args))
         report.applied, report.fn = True, fast
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager, outputs "
@@ -529,7 +560,7 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         report.check_false_findings = list(report.advice.check_false_findings)
         whole_step_blocked: Optional[str] = None
         try:
-            report.strategy = _choose(report.advice, force)
+            report.strategy = _choose(report.advice, force, compile_choice)
         except _Rejected as rejected:
             if report.advice.strategy != "fix_blockers":
                 raise
@@ -573,11 +604,11 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         times = measure.compare_ms({"eager": lambda: eager(batch), "graphed": lambda: step(batch)},
                                    iters=settings.timed_iters, repeats=settings.timed_repeats)
         report.eager_ms, report.graphed_ms = times["eager"], times["graphed"]
-        if report.graphed_ms >= report.eager_ms and not force:
-            raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
-                            f"{report.eager_ms:.3f} ms eager")
+        build_compiled = _build_compiled(report, compile_choice)
+        if not build_compiled:
+            _reject_if_slower(report, force)
         captured.restore()
-        if _build_compiled(report, compile_choice):
+        if build_compiled:
             # Note [A compiled candidate] in python/graphed/_compiled.py.
             progress("compiled candidate")
             step = captured = None  # the graphed candidate's graphs and buffers go
@@ -594,8 +625,10 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                 compile_timeout, back_to_reference_start, schedule, eager, expected, steps,
                 settings)
             if step is None:  # the graphed candidate wins: captured again, as verified
+                _reject_if_slower(report, force)
                 step, undo = strategy.training(model, optimizer, loss_fn, batch, step_settings)
                 captured = _StepSnapshot(model, optimizer, _guard_state(step), False)
+            _reject_if_slower(report, force)  # the faster of the two beats eager
         report.graphed_trace = _trace_replays(lambda: step(batch))
         captured.restore()
         report.applied, report.fn = True, step

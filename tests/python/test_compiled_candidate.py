@@ -46,9 +46,13 @@ def test_compile_settings_are_checked_for_inference_too():
 
 
 class _Advice:
-    def __init__(self, graphed_ms, compiled_ms):
+    def __init__(self, graphed_ms, compiled_ms, eager_ms=None):
         self.predicted_ms = graphed_ms
         self._compiled = {"predicted_ms": compiled_ms, "fusible_ms": 1.0}
+        self.eager_ms = eager_ms
+        self.strategy = "stay_eager"
+        self.verdict = "won't help much"
+        self.predicted_speedup = None if eager_ms is None else eager_ms / graphed_ms
 
     def to_dict(self):
         return {"compiled": self._compiled}
@@ -61,6 +65,22 @@ def test_auto_builds_the_candidate_only_where_the_prediction_pays():
     assert not build and why.startswith("not built: predicted")
     assert worth_compiling("on", _Advice(1.0, 5.0))[0]
     assert not worth_compiling("off", _Advice(5.0, 1.0))[0]
+
+
+def test_a_step_graphs_alone_would_not_speed_up_is_tried_compiled_where_fusion_pays():
+    """timm ConvNeXt-T on the H200: graphs alone predicted 1.08x, so optimize
+    refused, though the compiled step was predicted 1.35x (and measured 1.3x)."""
+    from graphed.optimize import HELPS_ABOVE, _choose, _Rejected
+
+    convnext = _Advice(graphed_ms=20.03, compiled_ms=17.16, eager_ms=21.6)
+    with pytest.raises(_Rejected, match=r"won't help much: predicted 1.08x; pass force=True"):
+        _choose(convnext, force=False)
+    assert _choose(convnext, force=False, compile_choice=("auto", {})) == "full_capture"
+    assert _choose(convnext, force=False, compile_choice=("on", {})) == "full_capture"
+    barely = _Advice(graphed_ms=20.0, compiled_ms=21.6 / HELPS_ABOVE + 0.3, eager_ms=21.6)
+    with pytest.raises(_Rejected, match=r"predicted 1.08x, 1.18x compiled; pass force=True"):
+        _choose(barely, force=False, compile_choice=("on", {}))
+    assert _choose(barely, force=True) == "full_capture"
 
 
 def test_time_limit_interrupts_the_block():
