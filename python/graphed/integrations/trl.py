@@ -1,4 +1,5 @@
-"""graphed for TRL's ``GRPOTrainer``: rollouts on graphed's decoder.
+"""graphed for TRL's ``GRPOTrainer``: rollouts on graphed's decoder, the
+policy update on graphs.
 
     from graphed.integrations.trl import GraphedGRPOTrainer, optimize_grpo_trainer
 
@@ -6,6 +7,7 @@
                                  train_dataset=prompts)
     trainer.train()
     print(trainer.graphed_rollouts)
+    print(trainer.graphed_update)
 
     trainer = optimize_grpo_trainer(existing_trainer)   # patches an instance
 
@@ -28,7 +30,13 @@ cannot drive) runs TRL's own ``model.generate``, with the reason in the
 batching never reach ``model.generate``: with those the trainer runs as TRL's,
 and the report says so.
 
-TRL is imported only by this module.
+The policy update (log-probabilities of the completions, TRL's objective,
+backward, clipping, the optimizer step) replays one CUDA graph per
+sequence-length bucket, TRL's loss unchanged by the padding; what it cannot
+reproduce runs TRL's training step, counted in
+``trainer.graphed_update.fallbacks`` (graphed.integrations.trl_update).
+
+TRL is imported only by this module and trl_update.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ try:  # The one place graphed imports TRL.
 except ImportError as error:  # pragma: no cover - exercised only without TRL
     raise ImportError(
         f"graphed.integrations.trl needs the trl package (pip install trl): {error}") from error
+
+from .trl_update import BUCKET_STEP, GraphedUpdate, _GraphedUpdateMixin  # noqa: E402
 
 logger = logging.getLogger("graphed.integrations.trl")
 
@@ -228,35 +238,60 @@ class _GraphedGRPOMixin:
                 del model.generate
 
 
-class GraphedGRPOTrainer(_GraphedGRPOMixin, GRPOTrainer):
+class GraphedGRPOTrainer(_GraphedGRPOMixin, _GraphedUpdateMixin, GRPOTrainer):
     """trl.GRPOTrainer whose rollouts run on graphed's decoder (Note [Rollouts
-    on graphs inside GRPOTrainer]). Takes GRPOTrainer's arguments and
-    ``graphed_fallback`` ("trl" or "raise") and ``graphed_compile``
-    (graphed.generate's ``compile``). ``graphed_rollouts`` reports what ran
-    where."""
+    on graphs inside GRPOTrainer]) and whose policy updates replay CUDA
+    graphs (Note [The GRPO update on graphs] in trl_update.py). Takes
+    GRPOTrainer's arguments, and:
+
+    Args:
+        graphed_fallback: ``"trl"`` runs TRL's own path where graphed cannot
+            (a rollout on ``model.generate``, an update on TRL's training
+            step), with the reason logged and counted; ``"raise"`` raises
+            :class:`graphed.GraphedError` instead.
+        graphed_compile: graphed.generate's ``compile`` for the rollouts.
+        graphed_update: run the policy update on graphs (default); False
+            leaves it TRL's.
+        graphed_bucket_step: the sequence length (prompt plus completion) of
+            an update graph is a multiple of this many tokens.
+        graphed_max_update_graphs: at most this many update graphs (lengths);
+            a longer step then pads to an existing longer one, or runs TRL's.
+        graphed_warmup: eager iterations before an update graph is captured.
+
+    ``graphed_rollouts`` and ``graphed_update`` report what ran where."""
 
     def __init__(self, *args: Any, graphed_fallback: str = "trl", graphed_compile: Any = False,
+                 graphed_update: bool = True, graphed_bucket_step: int = BUCKET_STEP,
+                 graphed_max_update_graphs: int = 8, graphed_warmup: int = 3,
                  **kwargs: Any) -> None:
         _check_fallback(graphed_fallback)
         super().__init__(*args, **kwargs)
         self._graphed_setup(graphed_fallback, graphed_compile)
+        self._graphed_update_setup(bool(graphed_update), graphed_fallback, graphed_bucket_step,
+                                   graphed_max_update_graphs, graphed_warmup)
 
 
 def optimize_grpo_trainer(trainer: "GRPOTrainer", *, fallback: str = "trl",
-                          compile: Any = False) -> "GRPOTrainer":
-    """Makes an existing GRPOTrainer's rollouts run on graphed's decoder, in
-    place (its class becomes a subclass of its own class with the graphed
-    rollout path); returns it. ``fallback`` and ``compile`` as
-    GraphedGRPOTrainer's ``graphed_fallback`` and ``graphed_compile``."""
+                          compile: Any = False, update: bool = True,
+                          bucket_step: int = BUCKET_STEP, max_update_graphs: int = 8,
+                          warmup: int = 3) -> "GRPOTrainer":
+    """Makes an existing GRPOTrainer's rollouts run on graphed's decoder and
+    its policy updates on graphs, in place (its class becomes a subclass of
+    its own class with graphed's paths); returns it. The arguments are
+    GraphedGRPOTrainer's without the ``graphed_`` prefix. Call before
+    ``trainer.train()``."""
     if not isinstance(trainer, GRPOTrainer):
         raise GraphedError(f"Expected a trl.GRPOTrainer, got {type(trainer).__name__}.")
     _check_fallback(fallback)
     if not isinstance(trainer, _GraphedGRPOMixin):
         trainer.__class__ = type(f"Graphed{type(trainer).__name__}",
-                                 (_GraphedGRPOMixin, type(trainer)), {})
+                                 (_GraphedGRPOMixin, _GraphedUpdateMixin, type(trainer)), {})
     trainer._graphed_setup(fallback, compile)  # type: ignore[attr-defined]
+    trainer._graphed_update_setup(  # type: ignore[attr-defined]
+        bool(update), fallback, bucket_step, max_update_graphs, warmup)
     return trainer
 
 
-__all__: List[str] = ["GraphedGRPOTrainer", "GraphedRollouts", "optimize_grpo_trainer",
+__all__: List[str] = ["GraphedGRPOTrainer", "GraphedRollouts", "GraphedUpdate",
+                      "optimize_grpo_trainer",
                       "generation_path", "cache_length", "CACHE_LENGTH_STEP"]

@@ -1,0 +1,767 @@
+"""graphed for TRL's ``GRPOTrainer``: the policy update on graphs.
+
+The optimizer step of a GRPO step (per-token log-probabilities of the
+completions, the clipped objective, the KL term when ``beta > 0``, backward
+over every micro-batch of gradient accumulation, clipping to
+``max_grad_norm``, the optimizer step) replays a CUDA graph captured by
+:class:`graphed.TrainStep`, one per sequence-length bucket: a step whose
+prompts and completions are shorter than its bucket pads to it, with the
+padding masked out so that the loss is TRL's (Note [The GRPO update on
+graphs], Note [One layout for every prompt and completion length]).
+:class:`graphed.integrations.trl.GraphedGRPOTrainer` runs it by default
+(``graphed_update=True``) and reports it in ``trainer.graphed_update``.
+
+What graphed cannot reproduce runs TRL's own training step, with the reason
+in the ``graphed.integrations.trl`` logger and counted in
+``trainer.graphed_update.fallbacks``: for the whole run (no GPU, fp16,
+loss types and options of :func:`update_blockers`), or for one step (a
+multimodal batch, a bucket beyond ``max_update_graphs``, a failed capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .._C import GraphedError
+from .transformers import (_GraphedState, _GraphedTrainerMixin, _inner_optimizer, step_blockers,
+                           training_blockers)
+
+logger = logging.getLogger("graphed.integrations.trl")
+
+#: TRL loss types whose loss graphed's update reproduces.
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+
+#: The sequence length of an update graph is a multiple of this many tokens by default.
+BUCKET_STEP = 32
+
+#: Batch keys the update understands; any other non-empty value (images...)
+#: sends the step to TRL's training step.
+_KNOWN_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+               "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps",
+               "sampling_per_token_logps", "tool_mask")
+
+
+# Note [The GRPO update on graphs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# TRL 1.16's GRPOTrainer.training_step is the Trainer's (compute_loss and
+# backward per micro-batch; the loop clips, steps and schedules), timed, with
+# its micro-batch counter _step advanced. Its _compute_loss cannot be
+# captured as it is: it logs a dozen metrics with .item() on every call, and
+# its fused LM head scores only the labelled positions, hidden_states[mask],
+# a host sync and a shape that changes with every batch. graphed's update
+# keeps TRL's pieces and replaces what cannot run in a graph:
+#  - the log-probabilities come from the same call TRL makes, the policy's
+#    forward with labels and fused_lm_head=True (TRL's own chunked kernel,
+#    under the accelerator's autocast, with TRL's temperature), but with
+#    trl.trainer.utils._use_triton answering False during warm-up and
+#    capture, which makes the head score every position of the fixed-size
+#    tile (its path for devices without Triton: same per-row kernel, zeros
+#    where the label is -100, no host sync);
+#  - the objective is TRL's, term for term (GRPOUpdateLoss): the ratio to the
+#    old log-probabilities (or to the detached current ones when TRL did not
+#    compute them), token or sequence importance sampling, clipping with
+#    epsilon_low/epsilon_high and delta, the KL term to the reference model
+#    with its bias correction, and each loss type's normalization, less the
+#    division by the gradient accumulation steps, which graphed's iteration
+#    does (Note [One training iteration]);
+#  - TRL's metrics (entropy, KL, clip ratios) are computed inside the graph
+#    and read on the host only when the trainer logs.
+# training_step mirrors GRPOTrainer's bookkeeping (_step, step_time) around
+# the stash-and-replay of graphed's Trainer integration (Note [The Trainer's
+# loop around a captured step] in transformers.py, whose optimizer, clipping
+# and learning-rate overrides the update reuses), so that the rollout
+# schedule (generate every steps_per_generation * num_iterations
+# micro-batches) is TRL's. A step that falls back runs TRL's compute_loss and
+# backward on the same prepared micro-batches.
+
+# Note [One layout for every prompt and completion length]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# TRL left-pads the prompts to the longest one and right-pads the completions
+# to the longest, so both lengths change every step. The update lays each
+# row out as TRL's sequence, prompt then completion, followed by masked
+# padding up to the bucket length L (a multiple of bucket_step): the real
+# tokens keep their positions (TRL passes no position_ids, so a model counts
+# positions from the first column, TRL's own left padding included), and
+# under causal attention no real token sees the padding. Only L identifies a
+# graph. The per-token tensors (completion mask, old and reference
+# log-probabilities, 2-D advantages) sit at the positions that predict each
+# completion token, with zeros elsewhere; every TRL loss type reduces them
+# with the mask or with fixed counts (max_completion_length for dr_grpo,
+# num_items_in_batch for dapo and cispo), so the padding changes no value:
+# the loss equals TRL's up to the rounding of differently shaped kernels.
+
+
+def update_blockers(*, loss_type: str, top_entropy_quantile: float = 1.0,
+                    entropy_bonus: bool = False, aux_loss: bool = False,
+                    vllm_importance_sampling: bool = False,
+                    off_policy_mask: bool = False, liger_kernel: bool = False,
+                    fp16: bool = False, gradient_checkpointing: bool = False,
+                    training_step_owner: Optional[str] = None) -> List[str]:
+    """What keeps the GRPO update from running on graphs, beyond the
+    Trainer integration's :func:`~graphed.integrations.transformers.training_blockers`
+    and :func:`~graphed.integrations.transformers.step_blockers`; each reason
+    says what was expected, what was found and the fix. Plain values, so
+    that it runs without a trainer."""
+    reasons = []
+    if loss_type not in SUPPORTED_LOSS_TYPES:
+        reasons.append(
+            f"Expected a loss_type graphed's update reproduces ({', '.join(SUPPORTED_LOSS_TYPES)}), "
+            f"found loss_type={loss_type!r}; that loss runs in TRL's training step.")
+    if top_entropy_quantile < 1.0:
+        reasons.append(
+            f"top_entropy_quantile={top_entropy_quantile} masks tokens by a quantile of the "
+            "entropies gathered on the host, which a graph cannot hold. Use "
+            "top_entropy_quantile=1.0 for the graphed update.")
+    if entropy_bonus:
+        reasons.append(
+            "The entropy bonus (entropy_coef != 0 or adaptive entropy) reads the entropy on the "
+            "host every step to adapt its coefficient; graphed's update does not implement it. "
+            "Set entropy_coef=0.0 for the graphed update.")
+    if aux_loss:
+        reasons.append(
+            "The MoE load-balancing loss (router_aux_loss_coef with output_router_logits) is not "
+            "part of graphed's update; set router_aux_loss_coef=0.0 or graphed_update=False.")
+    if vllm_importance_sampling:
+        reasons.append(
+            "vLLM's importance-sampling correction (vllm_importance_sampling_correction=True) is "
+            "not part of graphed's update; turn it off, or train with graphed rollouts instead "
+            "of vLLM.")
+    if off_policy_mask:
+        reasons.append(
+            "off_policy_mask_threshold is not part of graphed's update; leave it None for the "
+            "graphed update.")
+    if liger_kernel:
+        reasons.append(
+            "use_liger_kernel=True replaces the model's layers with Liger's kernels, which "
+            "graphed has not verified under capture; train without it for the graphed update.")
+    if fp16:
+        reasons.append(
+            "fp16=True scales the loss with accelerate's GradScaler, which reads the scale on the "
+            "host; use bf16=True (or full precision) for the graphed update.")
+    if gradient_checkpointing:
+        reasons.append(
+            "Expected gradient_checkpointing=False for the graphed update (TRL's configs turn it "
+            "on by default): checkpointing recomputes activations in backward and saves "
+            "random-generator state on the host, which a captured step cannot replay. Pass "
+            "gradient_checkpointing=False to GRPOConfig; graphs replace its memory saving with "
+            "static buffers sized once per bucket.")
+    if training_step_owner is not None:
+        reasons.append(
+            f"{training_step_owner}.training_step overrides GRPOTrainer.training_step, which the "
+            "graphed update replaces; put custom code elsewhere, or graphed_update=False.")
+    return reasons
+
+
+def bucket_length(needed: int, step: int = BUCKET_STEP, max_length: Optional[int] = None,
+                  existing: Sequence[int] = (), max_graphs: Optional[int] = None
+                  ) -> Tuple[Optional[int], str]:
+    """The sequence length of the graph for ``needed`` tokens (prompt plus
+    completion): ``needed`` rounded up to ``step``, at most ``max_length``
+    (the model's positions); once ``max_graphs`` lengths exist, the shortest
+    existing one that fits. Returns ``(length, "")`` or ``(None, reason)``."""
+    if needed < 2 or step < 1:
+        raise GraphedError(f"Expected a sequence of at least 2 tokens and a bucket step >= 1, got "
+                           f"needed={needed}, step={step}.")
+    length = -(-needed // step) * step
+    if max_length is not None and length > max_length:
+        length = max(needed, max_length)
+    if max_graphs is None or length in existing or len(existing) < max_graphs:
+        return length, ""
+    fits = sorted(n for n in existing if n >= needed)
+    if fits:
+        return fits[0], ""
+    return None, (f"this step needs {needed} tokens per sequence and max_update_graphs="
+                  f"{max_graphs} graphs exist already (lengths {sorted(existing)}); raise "
+                  "max_update_graphs or bucket_step")
+
+
+def layout(microbatch: Dict[str, Any], length: int, beta: float = 0.0) -> Dict[str, torch.Tensor]:
+    """One TRL micro-batch in the update's layout of ``length`` tokens per
+    row (Note [One layout for every prompt and completion length]):
+    ``input_ids``, ``attention_mask``, ``labels`` (B, length); ``mask`` and,
+    when TRL has them, ``old_per_token_logps``, ``ref_per_token_logps``
+    (only with ``beta != 0``) of (B, length - 1) at the positions that
+    predict the completion tokens; ``advantages``; ``num_items_in_batch``
+    once per row."""
+    prompt_ids, prompt_mask = microbatch["prompt_ids"], microbatch["prompt_mask"]
+    completion_ids, completion_mask = microbatch["completion_ids"], microbatch["completion_mask"]
+    rows, prompt = prompt_ids.shape
+    completion = completion_ids.shape[1]
+    if prompt + completion > length:
+        raise GraphedError(f"Expected at most {length} prompt and completion tokens per row, got "
+                           f"{prompt} + {completion}.")
+    pad = length - prompt - completion
+    ids = prompt_ids.new_zeros(rows, pad)
+    out = {"input_ids": torch.cat([prompt_ids, completion_ids, ids], dim=1),
+           "attention_mask": torch.cat([prompt_mask, completion_mask,
+                                        prompt_mask.new_zeros(rows, pad)], dim=1)}
+    labels = torch.full_like(out["input_ids"], -100)
+    labels[:, prompt:prompt + completion] = completion_ids.masked_fill(completion_mask == 0, -100)
+    out["labels"] = labels
+    positions = slice(prompt - 1, prompt - 1 + completion)  # logps index t scores token t + 1
+
+    def per_token(values: torch.Tensor) -> torch.Tensor:
+        full = values.new_zeros(rows, length - 1)
+        full[:, positions] = values
+        return full
+
+    mask = completion_mask if microbatch.get("tool_mask") is None \
+        else completion_mask * microbatch["tool_mask"]
+    out["mask"] = per_token(mask)
+    advantages = microbatch["advantages"]
+    out["advantages"] = advantages if advantages.dim() == 1 else per_token(advantages)
+    if microbatch.get("old_per_token_logps") is not None:
+        out["old_per_token_logps"] = per_token(microbatch["old_per_token_logps"])
+    if beta != 0.0:
+        out["ref_per_token_logps"] = per_token(microbatch["ref_per_token_logps"])
+    items = microbatch.get("num_items_in_batch")
+    if isinstance(items, torch.Tensor):
+        out["num_items_in_batch"] = items.reshape(-1)[:1].to(torch.float32).expand(rows)
+    return out
+
+
+def batch_problem(microbatch: Any) -> str:
+    """Why a TRL micro-batch cannot go through the graphed update ("" when it can)."""
+    if not isinstance(microbatch, dict):
+        return f"Expected TRL's batch to be a dict, got {type(microbatch).__name__}"
+    missing = [k for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                           "advantages") if not isinstance(microbatch.get(k), torch.Tensor)]
+    if missing:
+        return f"the batch has no {', '.join(missing)}"
+    extra = sorted(k for k, v in microbatch.items() if k not in _KNOWN_KEYS and v is not None)
+    if extra:
+        return (f"the batch holds {', '.join(extra)} (multimodal or other inputs), which "
+                "graphed's update does not pass to the model")
+    return ""
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The GRPOTrainer settings the loss reads, as plain values."""
+
+    loss_type: str
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: Optional[float] = None
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    max_completion_length: int = 256
+    steps_per_generation: int = 1
+    num_processes: int = 1
+
+    @classmethod
+    def of(cls, trainer: Any) -> "LossSettings":
+        """The settings of a GRPOTrainer."""
+        args = trainer.args
+        return cls(loss_type=trainer.loss_type, beta=float(trainer.beta),
+                   epsilon_low=float(trainer.epsilon_low), epsilon_high=float(trainer.epsilon_high),
+                   delta=args.delta, importance_sampling_level=trainer.importance_sampling_level,
+                   use_bias_correction_kl=bool(args.use_bias_correction_kl),
+                   sapo_temperature_pos=float(getattr(args, "sapo_temperature_pos", 1.0)),
+                   sapo_temperature_neg=float(getattr(args, "sapo_temperature_neg", 1.05)),
+                   max_completion_length=int(trainer.max_completion_length),
+                   steps_per_generation=int(args.steps_per_generation),
+                   num_processes=int(trainer.accelerator.num_processes))
+
+    def metric_names(self) -> List[str]:
+        """The TRL metrics the loss records, in order."""
+        names = ["entropy"] + (["kl"] if self.beta != 0.0 else [])
+        if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                      "clip_ratio/low_min", "clip_ratio/high_max"]
+        elif self.loss_type == "cispo":
+            names.append("cispo_clip_ratio")
+        return names
+
+
+@contextlib.contextmanager
+def _head_scores_every_position() -> Iterator[None]:
+    """TRL's fused LM head without its compact path (Note [The GRPO update on graphs])."""
+    from trl.trainer import utils as trl_utils
+
+    original = getattr(trl_utils, "_use_triton", None)
+    if original is None:
+        yield
+        return
+    trl_utils._use_triton = lambda device: False
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
+
+
+def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
+    """TRL's nanmin/nanmax without its host sync: NaN when every value is NaN."""
+    fill = float("-inf") if largest else float("inf")
+    cleaned = torch.where(torch.isnan(values), torch.full_like(values, fill), values)
+    extreme = cleaned.max() if largest else cleaned.min()
+    return torch.where(torch.isnan(values).all(), torch.full_like(extreme, float("nan")), extreme)
+
+
+class GRPOUpdateLoss(nn.Module):
+    """One micro-batch's GRPO loss as TRL 1.16's ``_compute_loss`` computes
+    it, on a batch in the update's :func:`layout`, without the division by
+    the gradient accumulation steps (graphed's iteration divides) and
+    without host syncs; TRL's metrics of the call are appended to
+    ``records`` as one device tensor (``settings.metric_names()``)."""
+
+    def __init__(self, trainer: Any, model: nn.Module, settings: LossSettings) -> None:
+        super().__init__()
+        self.model = model  # a submodule: its parameters and buffers are the step's state
+        object.__setattr__(self, "_trainer", trainer)  # not a submodule
+        self.settings = settings
+        self.records: List[torch.Tensor] = []
+
+    def forward(self, **batch: torch.Tensor) -> torch.Tensor:
+        s, trainer = self.settings, self._trainer
+        mask = batch["mask"]
+        with trainer.compute_loss_context_manager():
+            with _head_scores_every_position(), trainer.accelerator.autocast():
+                outputs = self.model(input_ids=batch["input_ids"],
+                                     attention_mask=batch["attention_mask"],
+                                     labels=batch["labels"], fused_lm_head=True)
+            logps, entropies = outputs.log_probs, outputs.entropy
+            advantages = batch["advantages"]
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            old = batch.get("old_per_token_logps")
+            old = logps.detach() if old is None else old
+            log_ratio = logps - old
+            if s.importance_sampling_level == "token":
+                log_weights = log_ratio
+            else:
+                log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+            coef_1 = torch.exp(log_weights)
+            kl = None
+            if s.beta != 0.0:
+                ref = batch["ref_per_token_logps"]
+                kl = torch.exp(ref - logps) - (ref - logps) - 1
+                if s.use_bias_correction_kl:
+                    kl = kl * coef_1
+            if s.loss_type == "cispo":
+                clamped = torch.clamp(coef_1, max=s.epsilon_high).detach()
+                per_token_loss = -clamped * advantages * logps
+            elif s.loss_type == "sapo":
+                temperatures = torch.where(advantages > 0, s.sapo_temperature_pos,
+                                           s.sapo_temperature_neg)
+                per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+                                   ) * advantages
+            else:
+                coef_2 = torch.clamp(coef_1, 1 - s.epsilon_low, 1 + s.epsilon_high)
+                ratio = coef_1 if s.delta is None else torch.clamp(coef_1, max=s.delta)
+                per_token_loss = -torch.min(ratio * advantages, coef_2 * advantages)
+            if kl is not None:
+                per_token_loss = per_token_loss + s.beta * kl
+            masked = per_token_loss * mask
+            if s.loss_type in ("grpo", "sapo"):
+                loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+            elif s.loss_type == "bnpo":
+                loss = masked.sum() / mask.sum().clamp(min=1.0)
+            elif s.loss_type == "dr_grpo":
+                loss = masked.sum() / (per_token_loss.size(0) * s.max_completion_length)
+            elif s.loss_type in ("dapo", "cispo"):
+                items = batch["num_items_in_batch"][0].clamp(min=1.0) / s.num_processes
+                loss = masked.sum() / (items / s.steps_per_generation)
+            else:  # luspo
+                loss = masked.sum(-1).mean()
+        with torch.no_grad():
+            self.records.append(self._metrics(mask, entropies, kl, coef_1, advantages))
+        return loss
+
+    def _metrics(self, mask: torch.Tensor, entropies: torch.Tensor, kl: Optional[torch.Tensor],
+                 coef_1: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        s = self.settings
+
+        def global_mean(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[1] == 1:
+                return x.sum() / x.shape[0]
+            return (x * mask).sum() / mask.sum().float().clamp(min=1.0)
+
+        def row_means(x: torch.Tensor) -> torch.Tensor:
+            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+        values = [global_mean(entropies)] + ([global_mean(kl)] if kl is not None else [])
+        if s.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            low = ((coef_1 < 1 - s.epsilon_low) & (advantages < 0)).float()
+            high = ((coef_1 > 1 + s.epsilon_high) & (advantages > 0)).float()
+            region = torch.maximum(low, high)
+            values += [global_mean(low), global_mean(high), global_mean(region),
+                       _nan_extreme(row_means(low), largest=False),
+                       _nan_extreme(row_means(high), largest=True)]
+        elif s.loss_type == "cispo":
+            values.append(global_mean(((coef_1 > s.epsilon_high) & (advantages > 0)).float()))
+        return torch.stack([v.float().reshape(()) for v in values])
+
+
+@dataclass
+class GraphedUpdate:
+    """What graphed did with the trainer's policy updates: ``path``
+    ("graphs", or "trl" when the whole run is refused), ``graphed``
+    optimizer steps replayed and ``eager`` ones on TRL's training step,
+    ``fallbacks`` ({reason: optimizer steps}), ``buckets`` ({sequence
+    length: replays}), ``captures`` and ``capture_s`` (seconds spent
+    capturing, warm-up included), ``steps`` (each optimizer step's path:
+    "graph:<length>" or "trl"), ``notes``."""
+
+    path: str = "graphs"
+    graphed: int = 0
+    eager: int = 0
+    fallbacks: Dict[str, int] = field(default_factory=dict)
+    buckets: Dict[int, int] = field(default_factory=dict)
+    captures: int = 0
+    capture_s: float = 0.0
+    steps: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    def add_fallback(self, reason: str) -> None:
+        """Counts one optimizer step on TRL's path for ``reason`` (logged once)."""
+        if reason not in self.fallbacks:
+            logger.warning("graphed: this policy update runs TRL's training step: %s", reason)
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def add_note(self, note: str) -> None:
+        """Records what graphed changed (logged once)."""
+        if note not in self.notes:
+            self.notes.append(note)
+            logger.info("graphed: %s", note)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The report as a JSON-ready dict."""
+        return {"path": self.path, "graphed": self.graphed, "eager": self.eager,
+                "fallbacks": dict(self.fallbacks),
+                "buckets": {str(k): v for k, v in sorted(self.buckets.items())},
+                "captures": self.captures, "capture_s": self.capture_s,
+                "steps": list(self.steps), "notes": list(self.notes)}
+
+    def __str__(self) -> str:
+        buckets = ", ".join(f"{k} tokens x{v}" for k, v in sorted(self.buckets.items()))
+        lines = [f"graphed policy update ({self.path}): {self.graphed} optimizer step(s) on "
+                 f"graphs ({buckets or 'no buckets'}), {self.eager} on TRL's training step"]
+        lines += [f"- {count} x {reason}" for reason, count in self.fallbacks.items()]
+        lines += [f"- note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _owner_below(cls: type, name: str, stop: type, skip: Sequence[type]) -> Optional[str]:
+    """The class above ``stop`` in ``cls``'s MRO, other than graphed's, that defines ``name``."""
+    for klass in cls.__mro__:
+        if klass is stop:
+            return None
+        if klass in skip or klass.__module__.startswith("graphed."):
+            continue
+        if name in vars(klass):
+            return klass.__name__
+    return None
+
+
+class _GraphedUpdateState:
+    """Per-trainer state of the graphed update (``trainer._graphed_update``)."""
+
+    def __init__(self, fallback: str, bucket_step: int, max_graphs: int, warmup: int) -> None:
+        for name, value, least in (("bucket_step", bucket_step, 1),
+                                   ("max_update_graphs", max_graphs, 1), ("warmup", warmup, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise GraphedError(f"Expected {name} to be an int >= {least}, got {value!r}.")
+        self.fallback = fallback
+        self.bucket_step = bucket_step
+        self.max_graphs = max_graphs
+        self.warmup = warmup
+        self.report = GraphedUpdate()
+        self.reasons: List[str] = []  # why the whole run is refused
+        self.steps: Dict[int, Any] = {}  # length -> TrainStep
+        self.records: Dict[int, List[torch.Tensor]] = {}  # length -> metric tensors
+        self.settings: Optional[LossSettings] = None
+        self.pending: List[Tuple[List[str], torch.Tensor]] = []
+        self.signature: Optional[Tuple[int, Tuple[str, ...]]] = None  # rows, optional inputs
+        self.broken = ""  # a capture failed: the rest of the run is TRL's
+
+
+class _GraphedUpdateMixin(_GraphedTrainerMixin):
+    """GRPOTrainer's training step on graphs (Note [The GRPO update on
+    graphs]). Builds on the Trainer integration's mixin, whose train(),
+    optimizer, clipping and learning-rate overrides it reuses."""
+
+    _graphed_update: Optional[_GraphedUpdateState] = None
+
+    def _graphed_update_setup(self, enabled: bool, fallback: str, bucket_step: int,
+                              max_graphs: int, warmup: int) -> None:
+        if not enabled:
+            self._graphed = None
+            self._graphed_update = None
+            return
+        self._graphed_update = _GraphedUpdateState(fallback, bucket_step, max_graphs, warmup)
+        self._graphed = _GraphedState("step", "eager", False, warmup, 0, None)
+        if fallback == "raise":
+            reasons = self.graphed_blockers()["update"]
+            if reasons:
+                raise GraphedError("graphed cannot run the GRPO update on graphs: "
+                                   + " ".join(reasons))
+
+    @property
+    def graphed_update(self) -> Optional[GraphedUpdate]:
+        """What graphed did with the policy updates (None with update=False)."""
+        state = self._graphed_update
+        return None if state is None else state.report
+
+    def graphed_blockers(self) -> Dict[str, List[str]]:
+        """Why the GRPO update cannot run on graphs now: ``{"update": [...]}``."""
+        from trl import GRPOTrainer
+
+        args = self.args
+        accelerator = self.accelerator
+        training = training_blockers(
+            device_type=torch.device(args.device).type, n_gpu=args.n_gpu,
+            world_size=args.world_size,
+            distributed_type=getattr(accelerator.state, "distributed_type", "NO"),
+            deepspeed=bool(getattr(self, "is_deepspeed_enabled", False)),
+            fsdp=bool(getattr(self, "is_fsdp_enabled", False)),
+            torch_compile=bool(args.torch_compile))
+        step = step_blockers(
+            optim=args.optim, custom_optimizer=self.optimizer is not None
+            or getattr(self, "optimizer_cls_and_kwargs", None) is not None)
+        update = update_blockers(
+            loss_type=self.loss_type, top_entropy_quantile=float(self.top_entropy_quantile),
+            entropy_bonus=bool(getattr(self, "_entropy_bonus_enabled", False)),
+            aux_loss=bool(getattr(self, "aux_loss_enabled", False)),
+            vllm_importance_sampling=bool(self.use_vllm and getattr(
+                self, "vllm_importance_sampling_correction", False)),
+            off_policy_mask=getattr(self, "off_policy_mask_threshold", None) is not None,
+            liger_kernel=bool(getattr(args, "use_liger_kernel", False)), fp16=bool(args.fp16),
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+            training_step_owner=_owner_below(type(self), "training_step", GRPOTrainer, ()))
+        return {"update": training + step + update}
+
+    # --- the Trainer integration's hooks ------------------------------------------
+    def _graphed_decide(self) -> str:
+        state, update = self._graphed, self._graphed_update
+        update.reasons = self.graphed_blockers()["update"]
+        if update.reasons and update.fallback == "raise":
+            raise GraphedError("graphed cannot run the GRPO update on graphs: "
+                               + " ".join(update.reasons))
+        update.report.path = "trl" if update.reasons else "graphs"
+        state.active = state.report.mode = "eager" if update.reasons else "step"
+        return state.active
+
+    def log(self, logs: Dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """GRPOTrainer.log, after the graphed steps' metrics reach TRL's records."""
+        update = self._graphed_update
+        if update is not None and update.pending:
+            for names, values in update.pending:
+                for name, value in zip(names, values.tolist()):
+                    self._metrics["train"][name].append(value)
+            update.pending = []
+        return super().log(logs, *args, **kwargs)
+
+    # --- training -------------------------------------------------------------------
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """GRPOTrainer.training_step; the last micro-batch of an optimizer
+        step replays the update's graph for its bucket (Note [The GRPO
+        update on graphs])."""
+        state, update = self._graphed, self._graphed_update
+        if state is None or update is None or state.active != "step":
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if update is not None and update.reasons and self.accelerator.sync_gradients:
+                update.report.eager += 1
+                update.report.steps.append("trl")
+                for reason in update.reasons:
+                    update.report.add_fallback(reason)
+            return loss
+        started = time.perf_counter()
+        model.train()
+        inputs = self._prepare_inputs(inputs)  # GRPO: the rollout, every generate_every calls
+        state.stash.append(inputs)
+        if self.accelerator.sync_gradients:
+            microbatches, state.stash = state.stash, []
+            loss = self._graphed_update_step(model, microbatches, num_items_in_batch)
+        else:
+            loss = self._graphed_zero()
+        # GRPOTrainer.training_step's bookkeeping.
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - started
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return loss
+
+    def _graphed_update_step(self, model: nn.Module, microbatches: List[Dict[str, Any]],
+                             num_items_in_batch: Any) -> torch.Tensor:
+        state, update = self._graphed, self._graphed_update
+        length, reason = self._graphed_update_bucket(microbatches)
+        step = None
+        if not reason:
+            step, reason = self._graphed_update_graph(model, microbatches, length)
+        if reason:
+            if update.fallback == "raise":
+                raise GraphedError(f"graphed cannot run this GRPO update on graphs: {reason}.")
+            return self._graphed_update_eager(model, microbatches, num_items_in_batch, reason)
+        batch = _merge([layout(mb, length, update.settings.beta) for mb in microbatches])
+        self._graphed_patch_optimizer()
+        self._graphed_track_lr()
+        loss = step.step(batch)
+        state.last_step_graphed = True
+        guard = step.guard
+        norm = guard.grad_norm if guard is not None else None
+        state.grad_norm = norm.clone() if isinstance(norm, torch.Tensor) else None
+        records = update.records[length]
+        if records:
+            names = update.settings.metric_names()
+            update.pending += [(names, values.clone()) for values in records]
+        report = update.report
+        report.graphed += 1
+        report.buckets[length] = report.buckets.get(length, 0) + 1
+        report.steps.append(f"graph:{length}")
+        state.report.graphed_steps += 1
+        return self._graphed_filter(loss.reshape(()))
+
+    def _graphed_update_bucket(self, microbatches: List[Dict[str, Any]]
+                               ) -> Tuple[Optional[int], str]:
+        update = self._graphed_update
+        if update.broken:
+            return None, update.broken
+        expected = self.args.gradient_accumulation_steps
+        if len(microbatches) != expected:
+            return None, (f"this optimizer step has {len(microbatches)} of "
+                          f"gradient_accumulation_steps={expected} micro-batches")
+        for mb in microbatches:
+            problem = batch_problem(mb)
+            if problem:
+                return None, problem
+        if update.settings is None:
+            update.settings = LossSettings.of(self)
+        if update.settings.beta != 0.0 and any(
+                mb.get("ref_per_token_logps") is None for mb in microbatches):
+            return None, "beta != 0 but the batch has no ref_per_token_logps"
+        signatures = {_signature(mb) for mb in microbatches}
+        if len(signatures) != 1:
+            return None, "the micro-batches of this optimizer step carry different inputs"
+        signature = signatures.pop()
+        if update.signature is not None and signature != update.signature:
+            return None, (f"the batch ({_describe(signature)}) differs from the one the update "
+                          f"graphs were captured for ({_describe(update.signature)})")
+        needed = max(mb["prompt_ids"].shape[1] + mb["completion_ids"].shape[1]
+                     for mb in microbatches)
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        max_length = getattr(config, "max_position_embeddings", None)
+        return bucket_length(needed, update.bucket_step, max_length, list(update.steps),
+                             update.max_graphs)
+
+    def _graphed_update_graph(self, model: nn.Module, microbatches: List[Dict[str, Any]],
+                              length: int) -> Tuple[Any, str]:
+        """The TrainStep of ``length``, captured on first use; or a reason."""
+        from ..train import TrainStep, make_capturable
+
+        state, update = self._graphed, self._graphed_update
+        optimizer = _inner_optimizer(self.optimizer)
+        if update.steps and not self._graphed_lr_kept(optimizer):
+            # The param groups were replaced (a checkpoint was loaded): capture again.
+            for old in update.steps.values():
+                old.release()
+            update.steps.clear()
+            update.records.clear()
+            update.signature = None
+            update.report.add_note("the optimizer's param groups were replaced "
+                                   "(load_state_dict); the update graphs were captured again")
+        step = update.steps.get(length)
+        if step is not None:
+            return step, ""
+        try:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise GraphedError(f"Expected a torch.optim optimizer, found "
+                                   f"{type(optimizer).__name__}; use optim='adamw_torch_fused'.")
+            if not state.lr_tensors:
+                lrs = [group["lr"] for group in optimizer.param_groups]
+                make_capturable(optimizer)
+                state.lr_tensors = [group["lr"] for group in optimizer.param_groups]
+                state.host_lr = [float(lr) for lr in lrs] if all(
+                    not isinstance(lr, torch.Tensor) for lr in lrs) else None
+            batch = _merge([layout(mb, length, update.settings.beta) for mb in microbatches])
+            loss_module = GRPOUpdateLoss(self, model, update.settings)
+            clip = self.args.max_grad_norm if self.args.max_grad_norm and \
+                self.args.max_grad_norm > 0 else None
+            logger.info("graphed: capturing the GRPO update for %d tokens per sequence "
+                        "(%d micro-batches, max_grad_norm=%s)", length, len(microbatches), clip)
+            started = time.perf_counter()
+            model.train()
+            step = TrainStep.from_parts(loss_module, optimizer, None, batch,
+                                        microbatches=len(microbatches), clip_grad_norm=clip,
+                                        warmup=update.warmup)
+        except (GraphedError, RuntimeError) as error:
+            update.broken = f"capturing the GRPO update failed: {str(error).strip()}"[:500]
+            if update.fallback == "raise":
+                raise GraphedError(update.broken) from error
+            return None, update.broken
+        update.report.capture_s += time.perf_counter() - started
+        update.report.captures += 1
+        update.steps[length] = step
+        # The capture's calls are the last ones; the graph refreshes their metrics each replay.
+        update.records[length] = loss_module.records[-len(microbatches):]
+        loss_module.records = []
+        state.report.train_step = step
+        update.signature = _signature(microbatches[0])
+        if "old_per_token_logps" not in update.signature[1]:
+            update.report.add_note("no old_per_token_logps in TRL's batch (num_iterations=1): the "
+                                   "ratio is to the detached current log-probabilities, as TRL's")
+        return step, ""
+
+    def _graphed_update_eager(self, model: nn.Module, microbatches: List[Dict[str, Any]],
+                              num_items_in_batch: Any, reason: str) -> torch.Tensor:
+        """TRL's compute_loss and backward on the prepared micro-batches."""
+        from transformers import Trainer
+
+        state, update = self._graphed, self._graphed_update
+        state.last_step_graphed = False
+        state.report.eager_steps += 1
+        update.report.eager += 1
+        update.report.steps.append("trl")
+        update.report.add_fallback(reason)
+        had = "_prepare_inputs" in vars(self)
+        previous = vars(self).get("_prepare_inputs")
+        self._prepare_inputs = lambda prepared: prepared  # already prepared
+        total = None
+        try:
+            for inputs in microbatches:
+                loss = self._graphed_filter(
+                    Trainer.training_step(self, model, inputs, num_items_in_batch), total)
+                total = loss if total is None else total + loss
+        finally:
+            if had:
+                self._prepare_inputs = previous
+            else:
+                del self._prepare_inputs
+        return total
+
+
+def _signature(microbatch: Dict[str, Any]) -> Tuple[int, Tuple[str, ...]]:
+    """What an update graph fixes about a micro-batch besides its length:
+    the rows, and which optional inputs it carries."""
+    optional = ("old_per_token_logps", "tool_mask", "num_items_in_batch")
+    return (int(microbatch["prompt_ids"].shape[0]),
+            tuple(k for k in optional if microbatch.get(k) is not None))
+
+
+def _describe(signature: Tuple[int, Tuple[str, ...]]) -> str:
+    rows, keys = signature
+    return f"{rows} rows" + (f" with {', '.join(keys)}" if keys else "")
+
+
+def _merge(batches: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Micro-batches in the update's layout, concatenated along dim 0 (the
+    iteration splits them back)."""
+    if len(batches) == 1:
+        return batches[0]
+    return {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+
+
+__all__ = ["BUCKET_STEP", "GRPOUpdateLoss", "GraphedUpdate", "LossSettings",
+           "SUPPORTED_LOSS_TYPES", "batch_problem", "bucket_length", "layout", "update_blockers"]
