@@ -22,10 +22,12 @@ _prepare_inputs: forward, backward, optimizer), ``mean_reward_after_n_steps``
 (the mean reward of the last ``REWARD_STEPS`` steps) and ``n_steps``.
 ``policy_loss_rel_diff_first_step``: a TRL trainer and a graphed one, from the
 same weights, train one step on the same completions (trl_default's first
-rollout, with old log-probabilities of the initial policy shifted by a
-fixed pattern so that the loss depends on the policy's numerics rather than
-being -mean(advantages)); the relative difference of their losses, with
-``grad_norm_rel_diff_first_step`` beside it.
+rollout); the relative difference of their losses, with
+``grad_norm_rel_diff_first_step`` beside it. On TRL's own batch (no old
+log-probabilities with num_iterations=1) the ratio is exactly 1 and the loss
+does not depend on the policy's numerics, only the gradient does; the
+``_off_policy`` pair repeats the comparison with old log-probabilities of the
+initial policy shifted by a fixed pattern, so that the loss depends on them.
 
     python3 bench/rl_grpo.py --json OUT.json [--quick] [--cpu-smoke]
 """
@@ -195,12 +197,12 @@ def _rewards(trainer: Any) -> List[float]:
 
 
 def run_method(name: str, *, steps: int, seed: int = 0, cpu: bool = False,
-               record_first_batch: bool = False) -> Dict[str, Any]:
-    """One method's run: its timings and rewards (or its error)."""
+               record_batches: int = 0, **overrides: Any) -> Dict[str, Any]:
+    """One method's run: its timings and rewards (or its error); with
+    ``record_batches``, its first generation batches under ``_batches``."""
     import trl
     from graphed.integrations.trl import GraphedGRPOTrainer
 
-    overrides: Dict[str, Any] = {}
     cls: Any = trl.GRPOTrainer
     if name == "trl_continuous_batching":
         overrides["use_transformers_continuous_batching"] = True
@@ -213,12 +215,12 @@ def run_method(name: str, *, steps: int, seed: int = 0, cpu: bool = False,
                         model_kwargs=_cpu_model() if cpu else None)
             timing = _Timing(t)
             batches: List[Any] = []
-            if record_first_batch:
+            if record_batches:
                 original = t._generate_and_score_completions
 
                 def recording(inputs):
                     batch = original(inputs)
-                    if not batches:
+                    if len(batches) < record_batches:
                         batches.append({k: v.clone() if isinstance(v, torch.Tensor) else v
                                         for k, v in batch.items()})
                     return batch
@@ -235,9 +237,8 @@ def run_method(name: str, *, steps: int, seed: int = 0, cpu: bool = False,
             if name == "graphed":
                 result["graphed_rollouts"] = t.graphed_rollouts.to_dict()
                 result["graphed_update"] = t.graphed_update.to_dict()
-                result["graphed_update"].pop("steps", None)
             if batches:
-                result["_first_batch"] = batches[0]
+                result["_batches"] = batches
         except Exception as error:  # a failing method records why, the others still run
             result["error"] = f"{type(error).__name__}: {error}"
             result["traceback"] = traceback.format_exc()[-3000:]
@@ -248,48 +249,65 @@ def _cpu_model() -> Dict[str, Any]:
     return dict(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64)
 
 
-def first_step_losses(batch: Dict[str, Any], *, cpu: bool = False) -> Dict[str, Any]:
-    """TRL's eager step and graphed's on the same completions, from the same
-    weights: their first losses and gradient norms, and the relative
-    differences (graphed against TRL)."""
+def same_completions(batches: List[Dict[str, Any]], *, perturb: bool = True, cpu: bool = False,
+                     model_path: Optional[str] = None, **overrides: Any) -> Dict[str, Any]:
+    """TRL's eager steps and graphed's on the same completions, from the same
+    weights: optimizer step i of each trains on generation batch
+    ``batches[i]`` (with ``perturb``, the old log-probabilities of the initial
+    policy shifted by a fixed pattern, so that the loss depends on the
+    policy's numerics). Returns each step's loss and gradient norm per
+    method, graphed's update path, and the relative differences (graphed
+    against TRL)."""
     import trl
     from graphed.integrations.trl import GraphedGRPOTrainer
 
-    rows: Dict[str, Dict[str, Any]] = {}
-    fixed = None
+    rows: Dict[str, List[Dict[str, Any]]] = {}
+    fixed: Optional[List[Dict[str, Any]]] = None
+    path: List[str] = []
     for name, cls in (("trl_default", trl.GRPOTrainer), ("graphed", GraphedGRPOTrainer)):
         with tempfile.TemporaryDirectory() as out:
-            t = trainer(cls, config(out, steps=1, cpu=cpu),
-                        model_kwargs=_cpu_model() if cpu else None)
+            args = config(out, steps=len(batches), cpu=cpu, **overrides)
+            if model_path is not None:
+                t = cls(model=model_path, reward_funcs=reward_fig, processing_class=tokenizer(),
+                        args=args, train_dataset=prompts())
+            else:
+                t = trainer(cls, args, model_kwargs=_cpu_model() if cpu else None)
             if fixed is None:
-                fixed = _with_old_logps(t, batch)
-            t._generate_and_score_completions = lambda inputs, b=fixed: {
-                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                fixed = [_with_old_logps(t, b) if perturb else b for b in batches]
+            served = iter(fixed)
+            t._generate_and_score_completions = lambda inputs: {
+                k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in next(served).items()}
             t.train()
-            entry = next(e for e in t.state.log_history if "loss" in e)
-            rows[name] = {"loss": entry["loss"], "grad_norm": entry.get("grad_norm")}
-            if name == "graphed":
-                rows[name]["update_path"] = list(t.graphed_update.steps)
-    return {"losses": rows,
-            "policy_loss_rel_diff_first_step": rel_diff(rows["graphed"]["loss"],
-                                                        rows["trl_default"]["loss"]),
-            "grad_norm_rel_diff_first_step": rel_diff(rows["graphed"]["grad_norm"],
-                                                      rows["trl_default"]["grad_norm"])}
+            rows[name] = [{"loss": e["loss"], "grad_norm": e.get("grad_norm")}
+                          for e in t.state.log_history if "loss" in e]
+            if name == "graphed" and t.graphed_update is not None:
+                path = list(t.graphed_update.steps)
+    pairs = list(zip(rows["graphed"], rows["trl_default"]))
+    return {"steps": rows, "update_path": path,
+            "loss_rel_diffs": [rel_diff(g["loss"], e["loss"]) for g, e in pairs],
+            "grad_norm_rel_diffs": [rel_diff(g["grad_norm"], e["grad_norm"]) for g, e in pairs]}
 
 
 def _with_old_logps(t: Any, batch: Dict[str, Any]) -> Dict[str, Any]:
-    """``batch`` with old_per_token_logps: the initial policy's, shifted by a
-    fixed pattern within TRL's clipping range and beyond it."""
+    """``batch`` off-policy: old_per_token_logps of the initial policy
+    shifted by a fixed pattern (within TRL's clipping range and beyond it),
+    and advantages of a fixed pattern (a rollout whose rewards are all equal
+    has zero advantages, and so zero loss and gradients)."""
     model = t.model
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    device = next(model.parameters()).device
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1).to(device)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).to(device)
     with torch.no_grad():
         logps, _, _ = t._get_per_token_logps_and_entropies(
-            model, ids.to(model.device), mask.to(model.device), batch["completion_ids"].shape[1])
+            model, ids, mask, batch["completion_ids"].shape[1])
     rows, cols = logps.shape
-    pattern = torch.linspace(-0.3, 0.3, rows * cols, device=logps.device).reshape(rows, cols)
+    pattern = torch.linspace(-0.3, 0.3, rows * cols, device=device).reshape(rows, cols)
     out = dict(batch)
     out["old_per_token_logps"] = (logps.float() + pattern).detach()
+    advantages = batch["advantages"]
+    out["advantages"] = torch.linspace(-1.0, 1.5, advantages.numel(), device=advantages.device,
+                                       dtype=advantages.dtype).reshape(advantages.shape)
     return out
 
 
@@ -298,13 +316,15 @@ def run(quick: bool = False, cpu: bool = False) -> Dict[str, Any]:
     steps = QUICK_STEPS if quick or cpu else N_STEPS
     methods: Dict[str, Any] = {}
     methods["trl_default"] = run_method("trl_default", steps=steps, cpu=cpu,
-                                        record_first_batch=True)
-    first_batch = methods["trl_default"].pop("_first_batch", None)
+                                        record_batches=1)
+    first_batch = (methods["trl_default"].pop("_batches", None) or [None])[0]
     seed1 = run_method("trl_default", steps=steps, seed=1, cpu=cpu)
     if not cpu:
         methods["trl_continuous_batching"] = run_method("trl_continuous_batching", steps=steps)
     methods["graphed"] = run_method("graphed", steps=steps, cpu=cpu)
     result: Dict[str, Any] = {"methods": methods, "n_steps": steps,
+                              "policy": ("Llama 2 layers d32 (CPU smoke)" if cpu else
+                                         "Llama 4 layers d512 GQA, 68-word vocabulary"),
                               "mean_reward_after_n_steps": {
                                   k: v.get("mean_reward_after_n_steps") for k, v in methods.items()},
                               "trl_default_seed1": {k: seed1.get(k) for k in (
@@ -315,11 +335,21 @@ def run(quick: bool = False, cpu: bool = False) -> Dict[str, Any]:
     result["reward_spread_trl_default"] = (None if r0 is None or r1 is None
                                            else round(abs(r0 - r1), 4))
     if first_batch is not None:
-        try:
-            result.update(first_step_losses(first_batch, cpu=cpu))
-        except Exception as error:
-            result["first_step_error"] = f"{type(error).__name__}: {error}"
-            result["first_step_traceback"] = traceback.format_exc()[-3000:]
+        # On TRL's own first batch (no old log-probabilities: the ratio is
+        # exactly 1), then on the same completions off-policy.
+        for key, perturb in (("first_step", False), ("first_step_off_policy", True)):
+            try:
+                compared = same_completions([first_batch], perturb=perturb, cpu=cpu)
+            except Exception as error:
+                result[f"{key}_error"] = f"{type(error).__name__}: {error}"
+                result[f"{key}_traceback"] = traceback.format_exc()[-3000:]
+                continue
+            result[f"{key}_comparison"] = compared
+            suffix = "" if key == "first_step" else "_off_policy"
+            result[f"policy_loss_rel_diff_first_step{suffix}"] = compared["loss_rel_diffs"][0] \
+                if compared["loss_rel_diffs"] else None
+            result[f"grad_norm_rel_diff_first_step{suffix}"] = compared["grad_norm_rel_diffs"][0] \
+                if compared["grad_norm_rel_diffs"] else None
     base = methods["trl_default"].get("ms_per_step")
     for name, method in methods.items():
         if base and method.get("ms_per_step"):
@@ -333,8 +363,8 @@ def run(quick: bool = False, cpu: bool = False) -> Dict[str, Any]:
 
 def markdown(workload: Dict[str, Any]) -> List[str]:
     """The workload's table for bench/run.py's markdown."""
-    lines = [f"### rl_grpo (TRL GRPOTrainer, Llama 4 layers d512, {workload['n_steps']} steps, "
-             "ms per optimizer step)\n",
+    lines = [f"### rl_grpo (TRL GRPOTrainer, {workload.get('policy', 'Llama')}, "
+             f"{workload['n_steps']} steps, ms per optimizer step)\n",
              "| method | ms/step | generation ms | update ms | x trl_default | mean reward |",
              "|---|---:|---:|---:|---:|---:|"]
 
@@ -355,7 +385,9 @@ def markdown(workload: Dict[str, Any]) -> List[str]:
                  f"{workload.get('reward_spread_trl_default')}; first-step loss, graphed against "
                  f"TRL on the same completions: rel diff "
                  f"{workload.get('policy_loss_rel_diff_first_step')} (grad norm "
-                 f"{workload.get('grad_norm_rel_diff_first_step')})")
+                 f"{workload.get('grad_norm_rel_diff_first_step')}); off-policy "
+                 f"{workload.get('policy_loss_rel_diff_first_step_off_policy')} (grad norm "
+                 f"{workload.get('grad_norm_rel_diff_first_step_off_policy')})")
     lines.append("")
     return lines
 

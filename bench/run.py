@@ -70,11 +70,17 @@ WORKLOADS["zoo_modern"] = zoo_modern.run
 import zoo_compile  # noqa: E402
 
 WORKLOADS["zoo_compile"] = zoo_compile.run
+
+# RL post-training: TRL's GRPOTrainer with graphed rollouts and update (issue 30)
+import rl_grpo  # noqa: E402
+
+WORKLOADS["rl_grpo"] = rl_grpo.run
 # Run only when named: soak measures safety, not speed (a minute or more);
 # gpt_fp8 trains a 400M-parameter model for minutes; zoo_modern trains seven
 # models in two setups for minutes; zoo_compile compiles each zoo model twice
-# from cold caches (a minute or more each).
-OPT_IN = {"soak", "gpt_fp8", "zoo_modern", "zoo_compile"}
+# from cold caches (a minute or more each); rl_grpo trains five GRPO runs
+# (TRL needs trl and datasets installed).
+OPT_IN = {"soak", "gpt_fp8", "zoo_modern", "zoo_compile", "rl_grpo"}
 
 
 def markdown(results) -> str:
@@ -88,6 +94,9 @@ def markdown(results) -> str:
             continue
         if name == "zoo_compile":
             lines.extend(zoo_compile.markdown(workload))
+            continue
+        if name == "rl_grpo":
+            lines.extend(rl_grpo.markdown(workload))
             continue
         if "models" in workload:
             lines.append(zoo.markdown(workload))

@@ -236,3 +236,17 @@ def test_bench_parses_arguments_and_builds_its_pieces():
     lines = bench.markdown({"n_steps": 2, "methods": {"trl_default": {"ms_per_step": 10.0},
                                                       "graphed": {"error": "boom"}}})
     assert any("failed: boom" in line for line in lines)
+
+
+def test_bench_methods_and_comparison_run_on_the_cpu():
+    """bench/rl_grpo.py's CPU-runnable pieces: a method's timed run (graphed
+    rollouts, TRL's update here), and the same-completions comparison."""
+    result = bench.run_method("graphed", steps=1, cpu=True, record_batches=1)
+    assert "error" not in result, result.get("traceback")
+    assert result["n_steps"] == 1 and result["ms_per_step"] > 0
+    assert result["generation_ms_per_step"] > 0 and result["update_ms_per_step"] > 0
+    assert result["graphed_update"]["steps"] == ["trl"]
+    batch, = result["_batches"]
+    compared = bench.same_completions([batch], perturb=True, cpu=True)
+    assert compared["update_path"] == ["trl"]  # no GPU: TRL's step on both sides
+    assert compared["loss_rel_diffs"] == [0.0] and compared["steps"]["graphed"][0]["loss"] != 0

@@ -223,7 +223,7 @@ def layout(microbatch: Dict[str, Any], length: int, beta: float = 0.0) -> Dict[s
         out["ref_per_token_logps"] = per_token(microbatch["ref_per_token_logps"])
     items = microbatch.get("num_items_in_batch")
     if isinstance(items, torch.Tensor):
-        out["num_items_in_batch"] = items.reshape(-1)[:1].to(torch.float32).expand(rows)
+        out["num_items_in_batch"] = items.reshape(-1)[:1].to(torch.float32).repeat(rows)
     return out
 
 
@@ -696,7 +696,7 @@ class _GraphedUpdateMixin(_GraphedTrainerMixin):
             step = TrainStep.from_parts(loss_module, optimizer, None, batch,
                                         microbatches=len(microbatches), clip_grad_norm=clip,
                                         warmup=update.warmup)
-        except (GraphedError, RuntimeError) as error:
+        except Exception as error:  # noqa: BLE001 - any failed capture falls back, counted
             update.broken = f"capturing the GRPO update failed: {str(error).strip()}"[:500]
             if update.fallback == "raise":
                 raise GraphedError(update.broken) from error
