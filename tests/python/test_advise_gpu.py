@@ -256,8 +256,11 @@ def test_compile_auto_follows_the_prediction():
     assert report.compiled["why"]
 
 
+@pytest.mark.usefixtures("exact_fp32")
 def test_optimize_inference_keeps_the_faster_of_graphed_and_compiled_captures():
-    workloads.configure_numerics()
+    # fp32 without TF32: Inductor's mm plus a fused bias and GELU rounds
+    # otherwise than eager's addmm under TF32, and sixteen residual layers
+    # carry that past optimize's atol; this test is about the choice.
     model, x = workloads.mlp_inference()
     report = graphed.optimize(model, sample_batch=x, settings=QUICK, compile=True,
                               compile_timeout=300)
