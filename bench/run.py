@@ -75,12 +75,17 @@ WORKLOADS["zoo_compile"] = zoo_compile.run
 import rl_grpo  # noqa: E402
 
 WORKLOADS["rl_grpo"] = rl_grpo.run
+# Many requests at once: continuous batching against transformers' own (issue 27)
+import hf_serving  # noqa: E402
+
+WORKLOADS["hf_serving"] = hf_serving.run
 # Run only when named: soak measures safety, not speed (a minute or more);
 # gpt_fp8 trains a 400M-parameter model for minutes; zoo_modern trains seven
 # models in two setups for minutes; zoo_compile compiles each zoo model twice
 # from cold caches (a minute or more each); rl_grpo trains five GRPO runs
-# (TRL needs trl and datasets installed).
-OPT_IN = {"soak", "gpt_fp8", "zoo_modern", "zoo_compile", "rl_grpo"}
+# (TRL needs trl and datasets installed); hf_serving runs transformers'
+# continuous batching three ways on two models (minutes).
+OPT_IN = {"soak", "gpt_fp8", "zoo_modern", "zoo_compile", "rl_grpo", "hf_serving"}
 
 
 def markdown(results) -> str:
@@ -97,6 +102,9 @@ def markdown(results) -> str:
             continue
         if name == "rl_grpo":
             lines.extend(rl_grpo.markdown(workload))
+            continue
+        if name == "hf_serving":
+            lines.extend(hf_serving.markdown(workload))
             continue
         if "models" in workload:
             lines.append(zoo.markdown(workload))

@@ -431,6 +431,9 @@ class Decoder {
   const DecoderOptions& options() const { return options_; }
 
  private:
+  // Continuous batching drives the decode graphs and buffers row by row
+  // (Note [Continuous batching on graphs] in request_scheduler.h).
+  friend class RequestScheduler;
   struct Bucket;
   struct Prefill;
   using PrefillKey = std::tuple<int64_t, int64_t, bool>;  // bucket, prompt_len, padded

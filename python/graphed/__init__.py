@@ -38,6 +38,7 @@ from .capture import capture, capture_stream, graph_pool_handle
 from .auto import auto, stats as auto_stats, undo as auto_undo
 from .check import check
 from .generate import Decoder, generate
+from .serving import generate_batch
 from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
 from . import distributed
@@ -90,6 +91,7 @@ __all__ = [
     "capture_stream",
     "check",
     "generate",
+    "generate_batch",
     "graph_stats",
     "graphed_core",
     "make_graphed_callables",

@@ -414,6 +414,8 @@ class Decoder:
                                      "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
                                      "generation_config": generation_config})
         self._settings = settings
+        self._check_every = check_every
+        self._compile = compile
         self.key = _sampling_key(settings) + (repr(compile_options),)
         device = model.device
         if use_graphs is None:
@@ -512,6 +514,44 @@ class Decoder:
         if streamer is not None:
             streamer.end()
         return torch.cat([input_ids, tokens], dim=1)
+
+    def submit(self, prompt, max_new_tokens=20):
+        """Queues one request for continuous batching (Note [Continuous batching on
+        graphs]): ``prompt`` a list of token ids or a 1-D tensor, at most
+        ``max_new_tokens`` new tokens. Returns its id. May be called while
+        ``run()`` runs (from its ``on_token``). The first call builds the serving
+        half: a cache of ``max_batch`` slots of ``max_len`` positions and its own
+        decode graphs, next to the ones ``generate()`` uses."""
+        return self._serving_half().submit(prompt, max_new_tokens)
+
+    def step(self, on_token=None):
+        """One round of the scheduler: prefills waiting requests into free slots,
+        runs one chunk of decode steps; returns ``{id: tokens}`` of the requests that
+        finished in it. ``on_token(id, tokens, finished)`` streams new tokens."""
+        return self._serving_half().step(on_token)
+
+    def run(self, on_token=None):
+        """Runs submitted requests (and those submitted from ``on_token``) until all
+        finished; returns ``{id: new tokens}`` (lists of ints)."""
+        return self._serving_half().run(on_token)
+
+    def serving_stats(self):
+        """The scheduler's counters (prefills, prefill_ms, decode_steps, chunks,
+        live_row_steps, row_steps, host_waits, ...); empty before the first submit."""
+        serving = self.__dict__.get("_serving")
+        return serving.stats() if serving is not None else {}
+
+    def _serving_half(self):
+        serving = self.__dict__.get("_serving")
+        if serving is None:
+            from .serving import Serving
+
+            model = self._adapter[0].model
+            serving = Serving(model, self._settings, self.max_batch, self.max_len,
+                              buckets=self.buckets, chunk_steps=self._check_every,
+                              compile=self._compile)
+            self._serving = serving
+        return serving
 
     def memory_report(self):
         """One dict per graph: ``kind`` ("decode": one per bucket; "prefill": one per

@@ -118,6 +118,7 @@ PYBIND11_MODULE(_C, m) {
   register_advice(m);
   register_auto(m);
   register_decoder(m);
+  register_serving(m);
   register_fp8(m);
   register_moe(m);
 

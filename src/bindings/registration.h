@@ -23,6 +23,8 @@ void register_advice(pybind11::module_& m);
 void register_auto(pybind11::module_& m);
 // graphed.generate and graphed.Decoder: the decode loop (decoder_bindings.cpp).
 void register_decoder(pybind11::module_& m);
+// graphed.generate_batch and Decoder.submit: continuous batching (serving_bindings.cpp).
+void register_serving(pybind11::module_& m);
 // graphed.fp8: the float8 recipe, linear function and scaling update (fp8_bindings.cpp).
 void register_fp8(pybind11::module_& m);
 // graphed.moe: the grouped matrix product of mixture-of-experts layers (moe_bindings.cpp).
