@@ -119,6 +119,8 @@ int64_t RequestScheduler::submit(const at::Tensor& prompt, int64_t max_new_token
 
 bool RequestScheduler::idle() const { return requests_.empty(); }
 
+int64_t RequestScheduler::slots() const { return static_cast<int64_t>(slots_.size()); }
+
 void RequestScheduler::prefill_into(int64_t slot, Request& request) {
   const auto started = std::chrono::steady_clock::now();
   const int64_t prompt_len = request.prompt.size(1);

@@ -67,18 +67,22 @@ using RequestTokensCallback =
 
 /// Counters of a RequestScheduler, for measuring it.
 struct SchedulerStats {
-  /// Requests submitted and finished.
+  /// Requests submitted.
   int64_t submitted = 0;
+  /// Requests finished.
   int64_t finished = 0;
-  /// Prefills run (one per request) and the host's wall time in them, ms.
+  /// Prefills run (one per request).
   int64_t prefills = 0;
+  /// The host's wall time in those prefills, in milliseconds.
   double prefill_ms = 0.0;
-  /// Decode steps (graph replays) and chunks.
+  /// Decode steps (graph replays).
   int64_t decode_steps = 0;
+  /// Chunks of decode steps, each with one copy of its tokens to the host.
   int64_t chunks = 0;
-  /// Rows of those steps that held an unfinished request, and all rows
-  /// (bucket rows per step): their ratio is the batch's occupancy.
+  /// Rows of those steps that decoded a request within its budget.
   int64_t live_row_steps = 0;
+  /// All rows of those steps (bucket rows per step): live_row_steps /
+  /// row_steps is the batch's occupancy.
   int64_t row_steps = 0;
   /// Times the host waited for a copy because all copies_in_flight were.
   int64_t host_waits = 0;
@@ -164,7 +168,7 @@ class RequestScheduler {
   /// See SchedulerStats.
   const SchedulerStats& stats() const { return stats_; }
   /// Slots: the decoder's max_batch.
-  int64_t slots() const { return static_cast<int64_t>(slots_.size()); }
+  int64_t slots() const;
 
  private:
   struct Request;

@@ -17,8 +17,8 @@ import torch
 
 from . import _C
 from ._experts import capturable_experts
-from .generate import (_check_model, _compile_options, _call_step, _input_vocabulary,
-                       _install_prefill_mask_rule, _sampling_key, _settings)
+from .generate import (_call_step, _check_model, _compile_options, _input_vocabulary,
+                       _install_prefill_mask_rule, _is_state_space, _sampling_key, _settings)
 
 _SLOT_LAYER = None
 
@@ -70,6 +70,12 @@ class SlotCacheModel:
         from transformers.cache_utils import StaticLayer
 
         self._model = weakref.ref(model)
+        if _is_state_space(model):
+            raise _error(
+                f"Expected a model whose cache layers are all full-attention StaticLayers for "
+                f"continuous batching, got {type(model).__name__}, a state-space model: its "
+                f"states are not served per slot yet. Use graphed.generate (one static batch) "
+                f"for it.")
         self.cache = StaticCache(config=model.config.get_text_config(decoder=True),
                                  max_cache_len=max_len)
         kinds = sorted({type(layer).__name__ for layer in self.cache.layers
@@ -303,8 +309,14 @@ def generate_batch(model, prompts, max_new_tokens=20, *, max_batch=None, max_len
     if not prompts:
         return []
     budgets = _budgets(max_new_tokens, len(prompts))
+    for index, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        # Before any decoder is built: the core checks the same at submit.
+        if prompt.numel() < 1:
+            raise _error(f"Expected a prompt of at least one token, got 0 (prompt {index}).")
+        if budget < 1:
+            raise _error(f"Expected max_new_tokens >= 1, got {budget} (prompt {index}).")
     needed = max(p.numel() + n - 1 for p, n in zip(prompts, budgets))
-    max_len = max(int(max_len or needed), needed, 2)
+    max_len = max(int(max_len or needed), needed, 3)  # 3: above the decode warm-up steps
     max_batch = int(max_batch or min(len(prompts), 32))
     serving = model.__dict__.get("_graphed_serving")
     key = _sampling_key(settings) + (repr(_compile_options(compile)),)
