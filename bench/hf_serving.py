@@ -49,9 +49,10 @@ REQUESTS, PROMPT_RANGE, BUDGET_RANGE = 64, (16, 512), (32, 256)
 QUICK_REQUESTS, QUICK_PROMPTS, QUICK_BUDGETS = 16, (16, 128), (8, 32)
 ALONE = 4  # requests compared with model.generate on each alone
 MAX_BATCH = 32
-CHILD_TIMEOUT_S = 150
+CHILD_TIMEOUT_S = 100
 MODELS = ("llama", "qwen3_moe")
 _CHILD = "HF_SERVING_CHILD"  # set in the child that measures transformers' graphs
+_NO_TF32 = "HF_SERVING_NO_TF32"  # --no-tf32, passed on to the child
 
 
 def build_model(name: str, device: str):
@@ -120,6 +121,7 @@ def run_graphed(model, prompts, budgets, device: str) -> Dict[str, Any]:
         now = time.perf_counter()
         times.setdefault(index, []).extend([now] * len(tokens))
 
+    before = model.__dict__["_graphed_serving"].stats()
     _sync(device)
     started = time.perf_counter()
     tokens = graphed.generate_batch(model, prompts, max_new_tokens=budgets,
@@ -127,7 +129,7 @@ def run_graphed(model, prompts, budgets, device: str) -> Dict[str, Any]:
     _sync(device)
     wall = time.perf_counter() - started
     serving = model.__dict__["_graphed_serving"]
-    stats = serving.stats()
+    stats = {k: round(v - before[k], 3) for k, v in serving.stats().items()}  # this call's
     per_request = [(t[-1] - t[0]) * 1000 / (len(t) - 1) for t in times.values() if len(t) > 1]
     decode = [r for r in serving.memory_report() if r["kind"] == "decode"]
     return {"tokens": tokens, "wall_s": round(wall, 3),
@@ -344,10 +346,13 @@ def _strip(row: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in row.items() if k != "tokens"}
 
 
-def run(quick: bool = False, models=MODELS, device: str = "cuda") -> Dict[str, Any]:
+def run(quick: bool = False, models=MODELS, device: str = "cuda", tf32: bool = True
+        ) -> Dict[str, Any]:
+    tf32 = tf32 and os.environ.get(_NO_TF32) != "1"
     if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    out: Dict[str, Any] = {"models": {}}
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    out: Dict[str, Any] = {"models": {}, "tf32": tf32 and device == "cuda",
+                           "max_batch": MAX_BATCH}
     for name in models:
         out["models"][name] = _attempt(lambda: run_model(name, quick, device), device)
         if device == "cuda":
@@ -383,6 +388,9 @@ def parse_args(argv=None):
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--no-tf32", action="store_true",
+                        help="fp32 matmuls without TF32 (hf_decode's setting is TF32 on): "
+                             "fewer near-ties that a batch's shape can flip")
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(args.models) - set(MODELS))
@@ -395,7 +403,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args.quick, args.models, args.device)
+    if args.no_tf32:
+        os.environ[_NO_TF32] = "1"  # the child measuring transformers' graphs follows
+    result = run(args.quick, args.models, args.device, tf32=not args.no_tf32)
     text = json.dumps(result, indent=2)
     if args.json:
         with open(args.json, "w") as file:

@@ -25,19 +25,19 @@ constexpr int64_t kVocab = 97;
 // A model whose next token is (fed token + position) % kVocab: a row that is
 // fed another row's token or position, or a token column read from the wrong
 // step, gives other tokens than the host reference below.
-at::Tensor one_hot(const at::Tensor& index) {
+at::Tensor token_logits(const at::Tensor& index) {
   const at::Tensor at_index = index.remainder(kVocab).view({-1, 1});
   return at::zeros({at_index.size(0), kVocab}, index.options().dtype(at::kFloat))
       .scatter_(1, at_index, 1.0);
 }
 
 at::Tensor step(const DecodeInputs& in) {
-  return one_hot(in.input_ids.select(1, 0) + in.position_ids.select(1, 0));
+  return token_logits(in.input_ids.select(1, 0) + in.position_ids.select(1, 0));
 }
 
 // The prefill of one prompt: its last token plus its last position.
 at::Tensor prefill(const at::Tensor& ids, int64_t /*slot*/) {
-  return one_hot(ids.select(1, -1) + (ids.size(1) - 1)).unsqueeze(1);
+  return token_logits(ids.select(1, -1) + (ids.size(1) - 1)).unsqueeze(1);
 }
 
 std::vector<int64_t> expected(const std::vector<int64_t>& prompt, int64_t new_tokens,
