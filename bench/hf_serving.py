@@ -9,6 +9,8 @@ Paths, one process per model except where said:
 - ``graphed``: graphed.generate_batch (continuous batching on graphed's decode
   graphs, Note [Continuous batching on graphs]); timed on the second call (the
   first builds the serving decoder and captures its buckets: ``capture_s``).
+- ``graphed_prefills_per_round_4``: the same with at most 4 prefills between two
+  chunks of decode steps (decoding starts while requests still wait).
 - ``hf_generate_batch``: transformers' ``model.generate_batch`` path with per-request
   budgets (its ContinuousBatchingManager, ``add_request(max_new_tokens=...)``),
   ``ContinuousBatchingConfig(use_cuda_graph=False)``, warmed up first.
@@ -49,6 +51,7 @@ REQUESTS, PROMPT_RANGE, BUDGET_RANGE = 64, (16, 512), (32, 256)
 QUICK_REQUESTS, QUICK_PROMPTS, QUICK_BUDGETS = 16, (16, 128), (8, 32)
 ALONE = 4  # requests compared with model.generate on each alone
 MAX_BATCH = 32
+PREFILLS_PER_ROUND = 4  # the second graphed row: prefills interleaved with decoding
 CHILD_TIMEOUT_S = 100
 MODELS = ("llama", "qwen3_moe")
 _CHILD = "HF_SERVING_CHILD"  # set in the child that measures transformers' graphs
@@ -105,14 +108,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_graphed(model, prompts, budgets, device: str) -> Dict[str, Any]:
+def run_graphed(model, prompts, budgets, device: str, prefills_per_round: int = 0
+                ) -> Dict[str, Any]:
     import graphed
 
     model.__dict__.pop("_graphed_serving", None)
     started = time.perf_counter()
     graphed.generate_batch(model, prompts[:2], max_new_tokens=2, max_batch=MAX_BATCH,
                            max_len=max(len(p) + n - 1 for p, n in zip(prompts, budgets)),
-                           eos_token_id=None)
+                           eos_token_id=None, prefills_per_round=prefills_per_round)
     _sync(device)
     capture_s = time.perf_counter() - started
     times: Dict[int, List[float]] = {}
@@ -125,7 +129,8 @@ def run_graphed(model, prompts, budgets, device: str) -> Dict[str, Any]:
     _sync(device)
     started = time.perf_counter()
     tokens = graphed.generate_batch(model, prompts, max_new_tokens=budgets,
-                                    max_batch=MAX_BATCH, eos_token_id=None, on_token=on_token)
+                                    max_batch=MAX_BATCH, eos_token_id=None, on_token=on_token,
+                                    prefills_per_round=prefills_per_round)
     _sync(device)
     wall = time.perf_counter() - started
     serving = model.__dict__["_graphed_serving"]
@@ -303,6 +308,9 @@ def run_model(name: str, quick: bool, device: str) -> Dict[str, Any]:
             lambda: _hf_continuous(model, prompts, budgets, use_cuda_graph=True), device))
         return record
     graphed_row = _attempt(lambda: run_graphed(model, prompts, budgets, device), device)
+    limited_row = _attempt(lambda: run_graphed(model, prompts, budgets, device,
+                                               prefills_per_round=PREFILLS_PER_ROUND), device)
+    model.__dict__.pop("_graphed_serving", None)
     hf_row = _attempt(lambda: _hf_continuous(model, prompts, budgets, use_cuda_graph=False),
                       device)
     static_row = _attempt(lambda: run_static_batch(model, prompts, budgets, device), device)
@@ -313,6 +321,9 @@ def run_model(name: str, quick: bool, device: str) -> Dict[str, Any]:
     ours, theirs = graphed_row.get("tokens"), hf_row.get("tokens")
     record.update({
         "graphed_tokens_per_s": graphed_row.get("tokens_per_s"),
+        f"graphed_prefills_per_round_{PREFILLS_PER_ROUND}_tokens_per_s":
+            limited_row.get("tokens_per_s"),
+        "same_tokens_with_prefills_per_round": _same(ours, limited_row.get("tokens")),
         "hf_generate_batch_tokens_per_s": hf_row.get("tokens_per_s"),
         "hf_generate_batch_cuda_graphs_tokens_per_s": graphs_row.get(
             "tokens_per_s", graphs_row.get("error")),
@@ -326,7 +337,9 @@ def run_model(name: str, quick: bool, device: str) -> Dict[str, Any]:
                                       "graphs_on": graphs_row.get("setting")},
         "p50_ms_per_token": graphed_row.get("p50_ms_per_token"),
         "p99_ms_per_token": graphed_row.get("p99_ms_per_token"),
-        "paths": {"graphed": _strip(graphed_row), "hf_generate_batch": _strip(hf_row),
+        "paths": {"graphed": _strip(graphed_row),
+                  f"graphed_prefills_per_round_{PREFILLS_PER_ROUND}": _strip(limited_row),
+                  "hf_generate_batch": _strip(hf_row),
                   "hf_generate_batch_cuda_graphs": _strip(graphs_row),
                   "hf_generate_static_batch": _strip(static_row)},
     })

@@ -62,6 +62,8 @@ RequestScheduler::RequestScheduler(Decoder& decoder, SlotPrefill prefill,
                 "two looks at the device), got ", options_.chunk_steps, ". 8 is a good value.");
   GRAPHED_CHECK(options_.copies_in_flight >= 1, "Expected copies_in_flight >= 1, got ",
                 options_.copies_in_flight, ". 3 is a good value.");
+  GRAPHED_CHECK(options_.prefills_per_round >= 0, "Expected prefills_per_round >= 0 (0: "
+                "every free slot each round), got ", options_.prefills_per_round, ".");
   GRAPHED_CHECK(decoding.eos_token_ids.empty(), "Expected a Decoder built without "
                 "eos_token_ids for continuous batching, got ", c10::Join(", ",
                 decoding.eos_token_ids), ": the scheduler ends requests on them itself, on "
@@ -156,9 +158,13 @@ std::vector<FinishedRequest> RequestScheduler::step(const RequestTokensCallback&
   // Waiting requests into free slots, lowest first; a slot at most once per round
   // (a request done after its first token keeps its column 0 until it is read).
   std::vector<bool> fresh(slots_.size(), false);
+  int64_t prefilled = 0;
   for (size_t s = 0; s < slots_.size() && !queue_.empty(); ++s) {
     if (slots_[s].request >= 0) {
       continue;
+    }
+    if (options_.prefills_per_round > 0 && prefilled++ >= options_.prefills_per_round) {
+      break;
     }
     Request& request = requests_.at(queue_.front());
     queue_.pop_front();

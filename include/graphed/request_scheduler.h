@@ -46,6 +46,11 @@ struct SchedulerOptions {
   /// host waits for the oldest: the GPU then runs at most this many chunks
   /// ahead of the host's view of it.
   int64_t copies_in_flight = 3;
+  /// Waiting requests prefilled per round at most (>= 0; 0: as many as there
+  /// are free slots). A limit starts decoding sooner when many requests
+  /// arrive at once, so that the GPU runs decode steps while the host
+  /// launches the next prefills; the tokens are the same either way.
+  int64_t prefills_per_round = 0;
 };
 
 /// One finished request.
@@ -102,7 +107,8 @@ struct SchedulerStats {
 ///   single request. The caller's decode step writes each row's key and
 ///   value at its row's position and masks every position after it
 ///   (Hugging Face adapter: python/graphed/serving.py), so one row's stale
-///   keys from an earlier request are never read.
+///   keys from an earlier request are never read. State-space layers need
+///   nothing of this: each row is its own state, overwritten by its prefill.
 /// - Free slots. A row without a request still runs (its results are
 ///   dropped); the host knows its position and puts it back to 0 before it
 ///   could leave the cache. Requests take the lowest free slot, so the live

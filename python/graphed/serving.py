@@ -17,8 +17,10 @@ import torch
 
 from . import _C
 from ._experts import capturable_experts
+from ._state_space_decoding import StateSpaceModel, is_state_layer, mark_previous_state
 from .generate import (_call_step, _check_model, _compile_options, _input_vocabulary,
-                       _install_prefill_mask_rule, _is_state_space, _sampling_key, _settings)
+                       _install_prefill_mask_rule, _is_state_space, _sampling_key, _settings,
+                       _unroll_sliding_windows)
 
 _SLOT_LAYER = None
 
@@ -60,9 +62,25 @@ def _slot_layer_class():
     return _SLOT_LAYER
 
 
+def _state_rows(layer, rows):
+    """A state-space layer's states restricted to `rows` (a slice); shares the
+    layer's host flags, as _state_space_decoding.state_view does. A layer not
+    sized yet is its own view."""
+    if not (any(layer.is_conv_states_initialized.values())
+            or any(layer.is_recurrent_states_initialized.values())):
+        return layer
+    part = copy.copy(layer)
+    part.conv_states = {i: s[rows] if s is not None else None
+                        for i, s in layer.conv_states.items()}
+    part.recurrent_states = {i: s[rows] if s is not None else None
+                             for i, s in layer.recurrent_states.items()}
+    return part
+
+
 class SlotCacheModel:
     """The model's slot prefill and decode step on one StaticCache of max_batch
-    rows, each row a request at its own position. Holds the model weakly, as
+    rows, each row a request at its own position; state-space layers of a
+    hybrid keep one state per row next to it. Holds the model weakly, as
     generate.py's adapters do."""
 
     def __init__(self, model, max_batch, max_len, compile_options=None):
@@ -70,22 +88,24 @@ class SlotCacheModel:
         from transformers.cache_utils import StaticLayer
 
         self._model = weakref.ref(model)
-        if _is_state_space(model):
-            raise _error(
-                f"Expected a model whose cache layers are all full-attention StaticLayers for "
-                f"continuous batching, got {type(model).__name__}, a state-space model: its "
-                f"states are not served per slot yet. Use graphed.generate (one static batch) "
-                f"for it.")
-        self.cache = StaticCache(config=model.config.get_text_config(decoder=True),
-                                 max_cache_len=max_len)
+        text_config = model.config.get_text_config(decoder=True)
+        self.cache = StaticCache(config=text_config, max_cache_len=max_len)
+        self.notes = []
+        window = getattr(text_config, "sliding_window", None)
+        if window and max_len <= window:
+            # Within the window a sliding layer is a full one, and transformers'
+            # window mask, built from the step's query offset (max_len - 1 here),
+            # hides nothing (Note [Sliding windows on a full static cache]).
+            self.notes += _unroll_sliding_windows(self.cache, max_len, model)
         kinds = sorted({type(layer).__name__ for layer in self.cache.layers
-                        if type(layer) is not StaticLayer})
+                        if type(layer) is not StaticLayer and not is_state_layer(layer)})
         if kinds:
             raise _error(
                 f"Expected a model whose cache layers are all full-attention StaticLayers for "
                 f"continuous batching, got {type(model).__name__} with {kinds}: sliding windows "
-                f"and state-space layers are not served per slot yet. Use graphed.generate "
-                f"(one static batch) or model.generate_batch for it.")
+                f"are served per slot only while max_len ({max_len}) <= the window ({window}), "
+                f"since transformers builds their masks from one position shared by all rows. "
+                f"Lower max_len, or use graphed.generate (one static batch) for it.")
         heads, head_dim = model._get_static_cache_init_shape()
         self.cache.early_initialization(batch_size=max_batch, num_heads=heads, head_dim=head_dim,
                                         dtype=model.dtype, device=model.device)
@@ -99,11 +119,23 @@ class SlotCacheModel:
         self.prefill_offset = torch.tensor(0, device=device)
         self.views = {}
         self.slot_views = {}
-        self.notes = []
         self._compiled_step = None
         if compile_options is not None:
             self._compiled_step = torch.compile(self._eager_step, **compile_options)
         _install_prefill_mask_rule()
+        states = sum(1 for layer in self.cache.layers if is_state_layer(layer))
+        if states:
+            # A one-token forward over every row sizes the state layers (Note
+            # [Decoding a state-space model on graphs]).
+            zeros = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+            with torch.no_grad():
+                mark_previous_state(self.cache, False)
+                self._run(zeros, self._view(slice(0, max_batch), self.prefill_offset),
+                          torch.ones_like(zeros), zeros, is_first_iteration=True)
+            self.reset()
+            self.notes.append(
+                f"{states} of {len(self.cache.layers)} layers of {type(model).__name__} are "
+                f"state-space layers: one state per slot, overwritten by the slot's prefill")
 
     @property
     def model(self):
@@ -117,6 +149,9 @@ class SlotCacheModel:
         view = copy.copy(self.cache)
         view.layers = []
         for layer in self.cache.layers:
+            if is_state_layer(layer):
+                view.layers.append(_state_rows(layer, rows))
+                continue
             part = layer_class.__new__(layer_class)
             part.__dict__.update(layer.__dict__)
             part.keys, part.values = layer.keys[rows], layer.values[rows]
@@ -145,14 +180,18 @@ class SlotCacheModel:
         from .integrations.transformers_masks import prefill_padding
 
         prefill_padding.padded = False  # Note [A capturable prefill]: no left padding
+        mark_previous_state(self.cache, False)
         try:
-            inputs = self.model.prepare_inputs_for_generation(
-                input_ids, past_key_values=self.slot_view(int(slot)),
-                attention_mask=self.ones[:, :length], position_ids=self.positions[:, :length],
-                use_cache=True, is_first_iteration=True, **self.extra)
-            return self.model(**inputs, return_dict=True).logits
+            return self._run(input_ids, self.slot_view(int(slot)), self.ones[:, :length],
+                             self.positions[:, :length], is_first_iteration=True)
         finally:
             prefill_padding.padded = None
+
+    def _run(self, input_ids, view, attention_mask, position_ids, **flags):
+        inputs = self.model.prepare_inputs_for_generation(
+            input_ids, past_key_values=view, attention_mask=attention_mask,
+            position_ids=position_ids, use_cache=True, **flags, **self.extra)
+        return self.model(**inputs, return_dict=True).logits
 
     def _eager_step(self, input_ids, position_ids, attention_mask):
         rows = input_ids.shape[0]
@@ -163,13 +202,37 @@ class SlotCacheModel:
         for layer in view.layers:
             layer.write_index = write
         torch.le(self.columns, position_ids, out=attention_mask)
-        inputs = self.model.prepare_inputs_for_generation(
-            input_ids, past_key_values=view, attention_mask=attention_mask,
-            position_ids=position_ids, use_cache=True, next_sequence_length=1, **self.extra)
-        return self.model(**inputs, return_dict=True).logits
+        return self._run(input_ids, view, attention_mask, position_ids, next_sequence_length=1)
 
     def step(self, args):
+        mark_previous_state(self.cache, True)
         return _call_step(self._compiled_step, self._eager_step, args)
+
+
+class SlotStateSpaceModel(StateSpaceModel):
+    """A state-space model (Mamba, Mamba2) served per slot: its recurrent states,
+    sized for max_batch rows, hold one request per row; a slot's prefill
+    overwrites its row's states in place, and nothing depends on positions."""
+
+    def __init__(self, model, max_batch, max_len, compile_options=None):
+        super().__init__(model, max_batch, max_len, compile_options)
+        self.notes = [f"{type(model).__name__} serves one request per row of its recurrent "
+                      f"states ({max_batch} slots)"]
+        self.slot_views = {}
+
+    def slot_view(self, slot):
+        if slot not in self.slot_views:
+            view = copy.copy(self.cache)
+            view.layers = [_state_rows(layer, slice(slot, slot + 1)) for layer in self.cache.layers]
+            self.slot_views[slot] = view
+        return self.slot_views[slot]
+
+    def prefill(self, args):
+        input_ids, slot = args
+        mark_previous_state(self.cache, False)
+        return self.model(input_ids=input_ids, cache_params=self.slot_view(int(slot)),
+                          attention_mask=None, use_cache=True, return_dict=True,
+                          **self.extra).logits
 
 
 def _no_prefill(args):
@@ -183,16 +246,20 @@ class Serving:
     the host) and the core's scheduler."""
 
     def __init__(self, model, settings, max_batch, max_len, *, buckets=None, chunk_steps=8,
-                 warmup=2, use_graphs=None, capture_error_mode="global", compile=False):
+                 warmup=2, use_graphs=None, capture_error_mode="global", compile=False,
+                 prefills_per_round=0):
         compile_options = _compile_options(compile)
         device = model.device
         if use_graphs is None:
             use_graphs = device.type == "cuda"
         self.settings = settings
-        self.key = _sampling_key(settings) + (repr(compile_options),)
-        adapter = SlotCacheModel(model, max_batch, max_len, compile_options)
+        self.key = (_sampling_key(settings) + (repr(compile_options),)
+                    + (int(chunk_steps), int(prefills_per_round)))
+        adapter_class = SlotStateSpaceModel if _is_state_space(model) else SlotCacheModel
+        adapter = adapter_class(model, max_batch, max_len, compile_options)
         self._adapter = adapter
-        self.notes = capturable_experts(model) if device.type == "cuda" else []
+        self.notes = list(adapter.notes)
+        self.notes += capturable_experts(model) if device.type == "cuda" else []
         held = weakref.ref(adapter)
         self._core = _C.Decoder(
             step=lambda args: held().step(args), prefill=_no_prefill,
@@ -206,7 +273,7 @@ class Serving:
         with torch.no_grad():
             self._scheduler = _C.RequestScheduler(
                 self._core, lambda args: held().prefill(args), chunk_steps=chunk_steps,
-                eos_token_ids=settings["eos_token_ids"])
+                eos_token_ids=settings["eos_token_ids"], prefills_per_round=prefills_per_round)
         self.results = {}
 
     @property
@@ -272,7 +339,8 @@ def _budgets(max_new_tokens, count):
 
 
 def generate_batch(model, prompts, max_new_tokens=20, *, max_batch=None, max_len=None,
-                   on_token=None, chunk_steps=8, compile=False, **arguments):
+                   on_token=None, chunk_steps=8, prefills_per_round=0, compile=False,
+                   **arguments):
     """Many requests on captured graphs, each at its own length, with continuous
     batching: ``prompts`` is a list of token id lists or 1-D tensors (different
     lengths), ``max_new_tokens`` an int or one per prompt. Returns each request's
@@ -282,7 +350,9 @@ def generate_batch(model, prompts, max_new_tokens=20, *, max_batch=None, max_len
     ``eos_token_id``, ``pad_token_id`` and ``generation_config`` are taken as by
     graphed.generate. ``on_token(index, tokens, finished)`` streams each
     request's new tokens (index into ``prompts``) once per chunk of
-    ``chunk_steps`` decode steps.
+    ``chunk_steps`` decode steps. ``prefills_per_round`` (0: no limit) bounds the
+    prefills between two chunks, so that decoding starts while many requests
+    still wait (the tokens are the same).
 
     ``max_batch`` rows decode at once (default: the number of prompts, at most
     32); ``max_len`` cache positions per row (default: the longest prompt plus
@@ -319,12 +389,13 @@ def generate_batch(model, prompts, max_new_tokens=20, *, max_batch=None, max_len
     max_len = max(int(max_len or needed), needed, 3)  # 3: above the decode warm-up steps
     max_batch = int(max_batch or min(len(prompts), 32))
     serving = model.__dict__.get("_graphed_serving")
-    key = _sampling_key(settings) + (repr(_compile_options(compile)),)
+    key = (_sampling_key(settings) + (repr(_compile_options(compile)),)
+           + (int(chunk_steps), int(prefills_per_round)))
     if (serving is None or serving.key != key or serving.max_len < max_len
             or serving.max_batch != max_batch):
         model.__dict__.pop("_graphed_serving", None)
         serving = Serving(model, settings, max_batch, max_len, chunk_steps=chunk_steps,
-                          compile=compile)
+                          compile=compile, prefills_per_round=prefills_per_round)
         model.__dict__["_graphed_serving"] = serving
     index_of = {}
     for index, (prompt, budget) in enumerate(zip(prompts, budgets)):

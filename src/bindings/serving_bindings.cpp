@@ -59,8 +59,10 @@ void register_serving(py::module_& m) {
   py::class_<RequestScheduler>(m, "RequestScheduler",
                                "Continuous batching on a Decoder's decode graphs.")
       .def(py::init([](Decoder& decoder, py::object prefill, int64_t chunk_steps,
-                       std::vector<int64_t> eos_token_ids, int64_t copies_in_flight) {
+                       std::vector<int64_t> eos_token_ids, int64_t copies_in_flight,
+                       int64_t prefills_per_round) {
              SchedulerOptions options;
+             options.prefills_per_round = prefills_per_round;
              options.chunk_steps = chunk_steps;
              options.eos_token_ids = std::move(eos_token_ids);
              options.copies_in_flight = copies_in_flight;
@@ -71,6 +73,7 @@ void register_serving(py::module_& m) {
            }),
            py::arg("decoder"), py::arg("prefill"), py::arg("chunk_steps") = 8,
            py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("copies_in_flight") = 3,
+           py::arg("prefills_per_round") = 0,
            py::keep_alive<1, 2>())
       .def("submit", &RequestScheduler::submit, py::arg("prompt"), py::arg("max_new_tokens"))
       .def(

@@ -18,21 +18,36 @@ def _prompts(count, vocab, low=3, high=12, seed=3):
     return [torch.randint(1, vocab - 1, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _hf_alone(model, prompt, new_tokens, max_len, **kwargs):
-    """model.generate on one prompt, StaticCache of max_len positions (eager)."""
+def _hf_alone(model, prompt, new_tokens, max_len, static=True, **kwargs):
+    """model.generate on one prompt, StaticCache of max_len positions (eager); a
+    state-space model on its own cache."""
     ids = torch.tensor([prompt], device=model.device)
+    cache = dict(cache_implementation="static", max_cache_len=max_len) if static else {}
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                             cache_implementation="static", max_cache_len=max_len,
-                             disable_compile=True, **kwargs)
+                             disable_compile=True, **cache, **kwargs)
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_a_state_space_model_serves_one_request_per_row_of_its_states():
+    from test_generate import _mamba2
+
+    model = _mamba2()
+    prompts = _prompts(6, model.config.vocab_size, low=3, high=13, seed=19)
+    budgets = [7, 3, 10, 1, 6, 9]
+    got = graphed.generate_batch(model, prompts, max_new_tokens=budgets, max_batch=2,
+                                 eos_token_id=None, pad_token_id=0)
+    for prompt, budget, tokens in zip(prompts, budgets, got):
+        assert tokens == _hf_alone(model, prompt, budget, 0, static=False, pad_token_id=0)
+    assert "recurrent states" in model.__dict__["_graphed_serving"].notes[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "granite_hybrid"])
 def test_every_request_gets_the_tokens_it_gets_alone(arch):
     # 7 requests on 3 slots: later ones are prefilled while others are mid-decode,
     # budgets differ (one of a single token), prompts differ in length.
     model = tiny_model(arch)
+    model.generation_config.eos_token_id = None  # granite's is 0: every request runs its budget
     prompts = _prompts(7, model.config.vocab_size)
     budgets = [9, 4, 1, 12, 6, 3, 10]
     max_len = max(len(p) + n - 1 for p, n in zip(prompts, budgets))
@@ -43,6 +58,9 @@ def test_every_request_gets_the_tokens_it_gets_alone(arch):
     stats = model.__dict__["_graphed_serving"].stats()
     assert stats["prefills"] == 7 and stats["finished"] == 7
     assert stats["live_row_steps"] == sum(budgets) - len(budgets)
+    limited = graphed.generate_batch(model, prompts, max_new_tokens=budgets, max_batch=3,
+                                     eos_token_id=None, prefills_per_round=1)
+    assert limited == got
 
 
 def test_end_of_sequence_ends_a_request_in_the_middle_and_frees_its_slot():
@@ -166,10 +184,16 @@ def test_a_request_longer_than_the_cache_is_refused_at_submit():
         decoder.submit([1, 2, 3, 4, 5, 6], max_new_tokens=4)
 
 
-def test_sliding_window_models_are_refused_for_continuous_batching():
-    model = tiny_model("mistral_sliding")
-    with pytest.raises(graphed.GraphedError, match="full-attention StaticLayers"):
-        graphed.generate_batch(model, [[1, 2, 3]], max_new_tokens=2)
+@pytest.mark.parametrize("arch", ["mistral_sliding", "gemma3"])
+def test_sliding_windows_are_served_within_the_window_and_refused_past_it(arch):
+    model = tiny_model(arch)  # windows of 8
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [3, 4]]
+    got = graphed.generate_batch(model, prompts, max_new_tokens=[4, 3, 6], max_batch=2,
+                                 max_len=8, eos_token_id=None)
+    for prompt, budget, tokens in zip(prompts, [4, 3, 6], got):
+        assert tokens == _hf_alone(model, prompt, budget, 8, eos_token_id=None)
+    with pytest.raises(graphed.GraphedError, match=r"max_len \(9\) <= the window \(8\)"):
+        graphed.generate_batch(model, [[1, 2, 3]], max_new_tokens=7, eos_token_id=None)
 
 
 def test_the_decode_step_reads_nothing_on_the_host_and_masks_per_row():
@@ -192,7 +216,8 @@ def test_the_decode_step_reads_nothing_on_the_host_and_masks_per_row():
 # --- the scheduler on a model whose next token is its position + 1 ----------------
 
 
-def _counting_decoder(max_batch=3, max_len=40, vocab=64, eos=(), chunk_steps=4):
+def _counting_decoder(max_batch=3, max_len=40, vocab=64, eos=(), chunk_steps=4,
+                      prefills_per_round=0):
     """_C.Decoder + RequestScheduler on logits that pick (position + 1) % vocab: a
     request with a prompt of n tokens gets n, n + 1, ... -- any slip of a row's
     position or token column shows."""
@@ -214,21 +239,26 @@ def _counting_decoder(max_batch=3, max_len=40, vocab=64, eos=(), chunk_steps=4):
         return one_hot(torch.tensor([[ids.shape[1]]]))
 
     scheduler = graphed._C.RequestScheduler(core, prefill, chunk_steps=chunk_steps,
-                                            eos_token_ids=list(eos))
+                                            eos_token_ids=list(eos),
+                                            prefills_per_round=prefills_per_round)
     return scheduler, prefills
 
 
-def test_the_scheduler_keeps_each_slots_positions_and_budgets():
-    scheduler, prefills = _counting_decoder()
+@pytest.mark.parametrize("prefills_per_round", [0, 1])
+def test_the_scheduler_keeps_each_slots_positions_and_budgets(prefills_per_round):
+    scheduler, prefills = _counting_decoder(prefills_per_round=prefills_per_round)
     lengths, budgets = [3, 7, 2, 5, 9, 4], [5, 1, 8, 3, 6, 2]
     ids = [scheduler.submit(torch.arange(n), b) for n, b in zip(lengths, budgets)]
     finished = {i: (tokens, eos) for i, tokens, eos in scheduler.run()}
     for request_id, n, b in zip(ids, lengths, budgets):
         assert finished[request_id] == (list(range(n, n + b)), False)
     assert scheduler.idle and len(prefills) == 6
-    assert [slot for slot, _ in prefills[:3]] == [0, 1, 2]  # lowest free slot first
+    if prefills_per_round == 0:
+        assert [slot for slot, _ in prefills[:3]] == [0, 1, 2]  # lowest free slot first
     stats = scheduler.stats()
     assert stats["live_row_steps"] == sum(budgets) - len(budgets)
+    if prefills_per_round == 1:
+        assert stats["chunks"] >= 6  # one prefill per round, a chunk after each
 
 
 def test_the_scheduler_ends_a_request_on_eos_and_refills_its_slot():
