@@ -19,8 +19,8 @@ graphed one:
   step] in src/compile_estimate.cpp), so that a launch-bound step pays no
   compile for nothing.
 - Where advise says graphs alone won't help (a GPU-bound step, say) but
-  predicts the compiled step at least ``optimize.HELPS_ABOVE`` faster than
-  eager, optimize still builds the whole capture, so that the compiled
+  predicts the compiled step as far ahead of eager as graphs must be
+  (``AdviceInputs::helps_above``, 1.2x), optimize still builds the whole capture, so that the compiled
   candidate is tried (timm ConvNeXt-T on the H200: graphs alone 1.08x
   predicted, compiled 1.35x). Whichever candidate is kept must beat eager.
 - The candidate is built on the same model, optimizer and settings, after

@@ -44,7 +44,8 @@ class Advice:
     Attributes: ``verdict`` ("graphs help", "won't help much", "already
     GPU-bound"), ``strategy`` ("full_capture", "per_module", "bucketed",
     "fix_blockers", "stay_eager"), ``eager_ms``, ``predicted_ms``,
-    ``predicted_speedup``, ``summary`` (per-iteration figures of the trace),
+    ``predicted_speedup``, ``helps_above`` (the speedup the verdict asks of
+    graphs), ``summary`` (per-iteration figures of the trace),
     ``compiled`` (the step under torch.compile's fusion, replayed as graphs:
     ``predicted_ms``, ``fusible_ms``, ``fixed_ms``, ``fusible_kernels``,
     ``fixed_activities``; Note [Predicting a compiled step]),

@@ -221,13 +221,6 @@ def _where_blockers_sit(blockers: Sequence[Dict[str, Any]]) -> str:
             "graphed.check lists (see the advice below)")
 
 
-#: The predicted speedup over eager under which advise says "won't help
-#: much" (AdviceInputs::helps_above in include/graphed/advice.h); the
-#: compiled step's prediction must clear it too for optimize to build it
-#: where graphs alone would not pay.
-HELPS_ABOVE = 1.2
-
-
 def _compiled_speedup(advice: Advice,
                       compile_choice: Tuple[str, Optional[Dict[str, Any]]]) -> Optional[float]:
     """advise's predicted speedup of the compiled step over eager, where a
@@ -257,8 +250,11 @@ def _choose(advice: Advice, force: bool,
     if strategy == "stay_eager":
         # Graphs alone would not pay, but Inductor's fusion may: a GPU-bound
         # step is where fewer kernels matter most (Note [A compiled candidate]).
+        # The compiled prediction must clear the bar graphs alone missed
+        # (AdviceInputs::helps_above).
         compiled = _compiled_speedup(advice, compile_choice)
-        if not force and (compiled is None or compiled < HELPS_ABOVE):
+        bar = advice.to_dict().get("helps_above", 1.2)
+        if not force and (compiled is None or compiled < bar):
             also = ("" if compiled is None else
                     f", {compiled:.2f}x compiled")
             raise _Rejected(f"{advice.verdict}: predicted {advice.predicted_speedup:.2f}x"

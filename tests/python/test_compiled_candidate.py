@@ -55,7 +55,7 @@ class _Advice:
         self.predicted_speedup = None if eager_ms is None else eager_ms / graphed_ms
 
     def to_dict(self):
-        return {"compiled": self._compiled}
+        return {"compiled": self._compiled, "helps_above": 1.2}
 
 
 def test_auto_builds_the_candidate_only_where_the_prediction_pays():
@@ -70,14 +70,14 @@ def test_auto_builds_the_candidate_only_where_the_prediction_pays():
 def test_a_step_graphs_alone_would_not_speed_up_is_tried_compiled_where_fusion_pays():
     """timm ConvNeXt-T on the H200: graphs alone predicted 1.08x, so optimize
     refused, though the compiled step was predicted 1.35x (and measured 1.3x)."""
-    from graphed.optimize import HELPS_ABOVE, _choose, _Rejected
+    from graphed.optimize import _choose, _Rejected
 
     convnext = _Advice(graphed_ms=20.03, compiled_ms=17.16, eager_ms=21.6)
     with pytest.raises(_Rejected, match=r"won't help much: predicted 1.08x; pass force=True"):
         _choose(convnext, force=False)
     assert _choose(convnext, force=False, compile_choice=("auto", {})) == "full_capture"
     assert _choose(convnext, force=False, compile_choice=("on", {})) == "full_capture"
-    barely = _Advice(graphed_ms=20.0, compiled_ms=21.6 / HELPS_ABOVE + 0.3, eager_ms=21.6)
+    barely = _Advice(graphed_ms=20.0, compiled_ms=21.6 / 1.2 + 0.3, eager_ms=21.6)
     with pytest.raises(_Rejected, match=r"predicted 1.08x, 1.18x compiled; pass force=True"):
         _choose(barely, force=False, compile_choice=("on", {}))
     assert _choose(barely, force=True) == "full_capture"
