@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from ._autocast_cache import convert_states_to_cache_dtype
 from . import _C
 from ._compiled import torch_compile_options
 from ._experts import capturable_experts
@@ -234,6 +235,7 @@ class _StaticCacheModel:
         heads, head_dim = model._get_static_cache_init_shape()
         self.cache.early_initialization(batch_size=max_batch, num_heads=heads, head_dim=head_dim,
                                         dtype=model.dtype, device=model.device)
+        convert_states_to_cache_dtype(self.cache)  # Note [A static cache under autocast]
         self.extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         self.views = {}
         self._compiled_step = None
@@ -311,6 +313,17 @@ class _StaticCacheModel:
         return _call_step(self._compiled_step, self._eager_step, args)
 
 
+class _FromConfig:
+    """The Decoder's default eos_token_id: the generation config's (None there
+    means no end-of-sequence token, as in a generate call)."""
+
+    def __repr__(self):
+        return "<from generation_config>"
+
+
+_FROM_CONFIG = _FromConfig()
+
+
 def _token_list(value):
     if value is None:
         return []
@@ -347,7 +360,13 @@ def _settings(model, arguments):
                          f"Use model.generate for it.")
     if get("use_cache") is False:
         raise _error("graphed.generate decodes with a KV cache; use_cache=False is not supported.")
-    eos = _token_list(get("eos_token_id"))
+    # An explicit eos_token_id=None means no end-of-sequence token, as in
+    # model.generate, whose call arguments replace the generation config's
+    # even when None; every other None means "the config's value".
+    if "eos_token_id" in arguments and arguments["eos_token_id"] is None:
+        eos = []
+    else:
+        eos = _token_list(get("eos_token_id"))
     pad = get("pad_token_id")
     if pad is None and eos:
         pad = eos[0]  # as model.generate does, with its warning
@@ -392,7 +411,10 @@ class Decoder:
     first ``warmup`` requests, then as a graph; at most ``prefill_graphs`` of
     them are held (least recently used evicted; 0 keeps prefills eager).
     ``memory_budget`` ("2GiB" or bytes) evicts least recently used graphs of
-    either kind.
+    either kind. Sampling settings left None come from ``generation_config``
+    (default: the model's); ``eos_token_id`` left out does too, while
+    ``eos_token_id=None`` decodes with no end-of-sequence token, as
+    ``model.generate(..., eos_token_id=None)`` does.
 
     ``compile=True`` (or a dict of torch.compile arguments: fullgraph,
     dynamic, backend, mode, options) compiles the decode step with Inductor,
@@ -403,16 +425,18 @@ class Decoder:
     """
 
     def __init__(self, model, max_batch, max_len, *, buckets=None, do_sample=None,
-                 temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None,
-                 check_every=8, memory_budget=None, warmup=2, capture=True, use_graphs=None,
+                 temperature=None, top_k=None, top_p=None, eos_token_id=_FROM_CONFIG,
+                 pad_token_id=None, check_every=8, memory_budget=None, warmup=2, capture=True, use_graphs=None,
                  capture_error_mode="global", generation_config=None, prefill_graphs=16,
                  compile=False):
         _check_model(model)
         compile_options = _compile_options(compile)
-        settings = _settings(model, {"do_sample": do_sample, "temperature": temperature,
-                                     "top_k": top_k, "top_p": top_p,
-                                     "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-                                     "generation_config": generation_config})
+        arguments = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
+                     "top_p": top_p, "pad_token_id": pad_token_id,
+                     "generation_config": generation_config}
+        if eos_token_id is not _FROM_CONFIG:
+            arguments["eos_token_id"] = eos_token_id
+        settings = _settings(model, arguments)
         self._settings = settings
         self._check_every = check_every
         self._compile = compile
@@ -617,10 +641,9 @@ def generate(model, input_ids, **arguments):
         model.__dict__.pop("_graphed_decoder", None)
         max_batch = 1 << (batch - 1).bit_length()
         decoder = Decoder(model, max_batch, max_len, capture=False, compile=compile,
-                          **{k: arguments.get(k) for k in ("do_sample", "temperature", "top_k",
-                                                           "top_p", "eos_token_id",
-                                                           "pad_token_id",
-                                                           "generation_config")})
+                          **{k: arguments[k] for k in ("do_sample", "temperature", "top_k",
+                                                       "top_p", "eos_token_id", "pad_token_id",
+                                                       "generation_config") if k in arguments})
         model.__dict__["_graphed_decoder"] = decoder
     return decoder.generate(input_ids, mask, new_tokens, min_new,
                             streamer=arguments.get("streamer"), callback=arguments.get("callback"))

@@ -5,8 +5,10 @@ and the report says why."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
+import math
 import re
 import traceback
 from dataclasses import dataclass
@@ -469,6 +471,32 @@ def _fail(report: OptimizeReport, error: BaseException) -> None:
     report.fn = None
 
 
+# Note [Timing candidates by time, not by count]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# optimize times each candidate side by side with eager in rounds of
+# ``timed_iters`` calls (median of ``timed_repeats`` rounds). A round of 10
+# calls is right for the launch-bound steps graphs are for (a millisecond or
+# a few), but a 25 ms step (timm ConvNeXt-T at batch 16) then spends half a
+# second per method and measurement, several seconds of optimize's run where
+# its whole budget is that of torch.compile's first steps (issue 26). Once
+# advise has timed the eager step, a round is cut to about
+# TIMED_MS_PER_ROUND of eager time (never under MIN_TIMED_ITERS calls): a
+# round of four 25 ms steps is still a thousand times the clock's
+# resolution, and the repeats, not the round's length, carry the noise.
+TIMED_MS_PER_ROUND = 100.0
+MIN_TIMED_ITERS = 3
+
+
+def timing_settings(settings: ProfileSettings, eager_ms: Optional[float]) -> ProfileSettings:
+    """``settings`` with ``timed_iters`` cut to about TIMED_MS_PER_ROUND of
+    eager time per round (Note [Timing candidates by time, not by count])."""
+    if not eager_ms or eager_ms <= 0 or settings.timed_iters <= MIN_TIMED_ITERS:
+        return settings
+    iters = max(MIN_TIMED_ITERS, min(settings.timed_iters,
+                                     math.ceil(TIMED_MS_PER_ROUND / eager_ms)))
+    return dataclasses.replace(settings, timed_iters=iters)
+
+
 def _trace_replays(fn: Callable[[], Any]) -> Optional[Dict[str, Any]]:
     try:
         return _C.record_trace(fn, 3)
@@ -488,6 +516,7 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
         with torch.no_grad():
             progress("check and advise")
             report.advice = advise(model, *args, settings=settings)
+            settings = timing_settings(settings, report.advice.eager_ms)
             report.check_false_findings = list(report.advice.check_false_findings)
             report.strategy = _choose(report.advice, force, compile_choice)
             strategy = STRATEGIES[report.strategy]
@@ -553,6 +582,7 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         progress("check and advise")
         report.advice = advise_training(model, optimizer, loss_fn, batch, settings=settings,
                                         **step_settings.from_parts_kwargs())
+        settings = timing_settings(settings, report.advice.eager_ms)
         report.check_false_findings = list(report.advice.check_false_findings)
         whole_step_blocked: Optional[str] = None
         try:

@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from ._autocast_cache import convert_states_to_cache_dtype
 from . import _C
 from ._experts import capturable_experts
 from ._state_space_decoding import StateSpaceModel, is_state_layer, mark_previous_state
@@ -109,6 +110,7 @@ class SlotCacheModel:
         heads, head_dim = model._get_static_cache_init_shape()
         self.cache.early_initialization(batch_size=max_batch, num_heads=heads, head_dim=head_dim,
                                         dtype=model.dtype, device=model.device)
+        convert_states_to_cache_dtype(self.cache)  # Note [A static cache under autocast]
         self.max_len = max_len
         self.extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         device = model.device

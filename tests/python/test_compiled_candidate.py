@@ -92,3 +92,16 @@ def test_time_limit_interrupts_the_block():
     assert time.perf_counter() - started < 2
     with time_limit(None, "nothing"):  # no limit
         pass
+
+
+@pytest.mark.parametrize("eager_ms, iters", [
+    (None, 10), (0.5, 10), (10.0, 10), (25.0, 4), (40.0, 3), (500.0, 3)])
+def test_long_steps_are_timed_in_rounds_of_about_a_tenth_of_a_second(eager_ms, iters):
+    # Note [Timing candidates by time, not by count]
+    from graphed.advise import ProfileSettings
+    from graphed.optimize import timing_settings
+
+    settings = ProfileSettings()
+    timed = timing_settings(settings, eager_ms)
+    assert timed.timed_iters == iters
+    assert timed.timed_repeats == settings.timed_repeats and settings.timed_iters == 10

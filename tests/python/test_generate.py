@@ -347,3 +347,23 @@ def test_a_compiled_decode_step_is_traced_once_per_shape_and_gives_hf_tokens():
     assert torch.equal(eager, want)
     assert "None" in repr(model.__dict__["_graphed_decoder"].key[-1]), \
         "compile=False reused the compiled decoder"
+
+
+def test_a_model_whose_forward_runs_under_autocast_decodes_its_own_tokens():
+    # accelerate's mixed precision wraps forward in autocast: a Llama layer then
+    # hands the cache fp32 keys (rotary) and bf16 values (Note [A static cache
+    # under autocast]), which transformers' StaticLayer alone refuses.
+    model = tiny_model("llama")
+    forward = model.forward
+
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+
+    model.forward = autocast_forward
+    ids, mask = left_padded_prompts(2, 5, model.config.vocab_size, "cpu")
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+    got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(got, want)

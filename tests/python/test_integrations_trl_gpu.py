@@ -120,15 +120,20 @@ def test_a_grpo_run_replays_the_update_graphs(tmp_path):
     assert steps == 6
 
 
+@pytest.mark.usefixtures("exact_fp32")
 def test_completion_lengths_beyond_the_bucket_pad_or_capture_again(tmp_path):
     """Shorter completions reuse a bucket; longer ones get their own graph."""
-    batches = _batches(tmp_path, 3)
+    batches = _batches(tmp_path, 3, bf16=False)
     short = dict(batches[1])
     keep = 3
     short["completion_ids"] = short["completion_ids"][:, :keep].contiguous()
     short["completion_mask"] = short["completion_mask"][:, :keep].contiguous()
     short["num_items_in_batch"] = short["completion_mask"].sum()
-    result = _compare(tmp_path, [batches[0], short, batches[2]], perturb=False,
+    # perturb: on TRL's own completions the first update's ratio is 1 and its
+    # loss a sum of advantages, zero up to rounding, where relative errors
+    # mean nothing; perturbed old log-probabilities give losses of size.
+    result = _compare(tmp_path, [batches[0], short, batches[2]], perturb=True, bf16=False,
                       max_completion_length=24)
     _assert_graphed(result, 3)
-    assert all(d < 1e-5 for d in result["loss_rel_diffs"]), result
+    assert result["loss_rel_diffs"][0] < 1e-5, result
+    assert all(d < 1e-4 for d in result["loss_rel_diffs"][1:]), result
