@@ -91,6 +91,19 @@ def _torch_graph_losses(entry, base_state, batch, amp: Optional[str], steps: int
     return losses
 
 
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
+                   torch.float16: torch.int16, torch.float64: torch.int64}
+
+
+def _one_ulp_away(model: torch.nn.Module) -> None:
+    """Every floating parameter moved by one unit in the last place, away from
+    zero (its bit pattern plus one; a zero becomes the smallest subnormal)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype in _SAME_WIDTH_INT:
+                p.view(_SAME_WIDTH_INT[p.dtype]).add_(1)
+
+
 def _kind(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name) or "<root>"
 
@@ -133,6 +146,19 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int) -> Di
     # on graphed's grouped GEMM where it switches them): what is left against
     # this is the graphs' own difference, not one GEMM's rounding against
     # another's, which routing to experts amplifies.
+    # How far eager drifts from itself: the same eager step from parameters one
+    # ulp away (each moved to the next representable value away from zero).
+    # Where routing to experts turns last-bit differences into other experts,
+    # this is the floor under the loss_rel_diff that any other exact kernel
+    # (another summation order) can reach; where it is far below 1e-3, a
+    # larger loss_rel_diff is a real difference.
+    torch.cuda.set_rng_state(rng)
+    model_nudged, optimizer_nudged = _fresh(entry, base_state)
+    _one_ulp_away(model_nudged)
+    row["eager_one_ulp_rel_diff"] = _rel(eager_losses, _losses(
+        _eager_step(model_nudged, optimizer_nudged, setup), batch, steps))
+    del model_nudged, optimizer_nudged
+
     torch.cuda.set_rng_state(rng)
     model_same, optimizer_same = _fresh(entry, base_state)
     same_kernels = capturable_experts(model_same)
@@ -243,7 +269,8 @@ def markdown(result: Dict[str, Any]) -> List[str]:
     lines = ["### zoo_modern\n",
              "| model | setup | eager ms | TrainStep | optimize | auto | auto fallbacks "
              "| loss rel diff | same kernels | TrainStep vs torch.cuda.graph "
-             "| torch.cuda.graph vs eager |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| torch.cuda.graph vs eager | eager vs eager one ulp away |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
 
     def speed(row, method):
         ms = row.get(f"{method}_ms")
@@ -253,7 +280,7 @@ def markdown(result: Dict[str, Any]) -> List[str]:
         for setup, row in record.items():
             if "error" in row:
                 lines.append(f"| {name} | {setup} | FAILED: "
-                             f"{row['error'].strip().splitlines()[-1][:120]} |||||||")
+                             f"{row['error'].strip().splitlines()[-1][:120]} ||||||||")
                 continue
             torch_graph = row.get("loss_rel_diffs_torch_graph", {})
             optimize = speed(row, "optimize") if row.get("optimize_applied") else \
@@ -263,7 +290,8 @@ def markdown(result: Dict[str, Any]) -> List[str]:
                          f"| {row['loss_rel_diff']:.2e} "
                          f"| {row.get('loss_rel_diff_same_kernels') or 0:.2e} "
                          f"| {torch_graph.get('trainstep_vs_torch_graph', '-')} "
-                         f"| {torch_graph.get('torch_graph_vs_eager_same_kernels', '-')} |")
+                         f"| {torch_graph.get('torch_graph_vs_eager_same_kernels', '-')} "
+                         f"| {row.get('eager_one_ulp_rel_diff', '-')} |")
     lines.append("")
     return lines
 
