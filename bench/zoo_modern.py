@@ -127,7 +127,8 @@ def _graphed_parts(stats: Dict[str, Any]) -> Dict[str, Any]:
     return parts
 
 
-def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int) -> Dict[str, Any]:
+def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int,
+              compile: Any = False) -> Dict[str, Any]:
     entry = zoo_modern_models.build(name, "bench", setup)
     row: Dict[str, Any] = {"description": entry.description}
     amp = "bf16" if setup == "amp_bf16" else None
@@ -197,7 +198,10 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int) -> Di
     torch.cuda.set_rng_state(rng)
     model_opt, optimizer_opt = _fresh(entry, base_state)
     report = graphed.optimize(model_opt, optimizer_opt, None, sample_batch=batch, amp=amp,
-                              progress=False)
+                              progress=False, compile=compile)
+    row["optimize_compile"] = compile
+    if report.compiled:
+        row["optimize_compiled"] = {k: v for k, v in report.compiled.items() if k != "options"}
     row["optimize_applied"] = bool(report.applied)
     row["optimize_strategy"] = report.strategy
     row["optimize_reason"] = report.reason[:1500] if report.reason else report.reason
@@ -233,7 +237,7 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int) -> Di
 
 
 def run(quick: bool = False, models: Optional[List[str]] = None,
-        json_path: Optional[str] = None) -> Dict[str, Any]:
+        json_path: Optional[str] = None, compile: Any = False) -> Dict[str, Any]:
     # TF32 off: the fp32 expert products of the amp_bf16 setup run in full fp32
     # in graphed's grouped GEMM (it has no TF32 mode), and transformers'
     # eager fallback would otherwise round them to TF32 (routing to experts
@@ -242,13 +246,13 @@ def run(quick: bool = False, models: Optional[List[str]] = None,
     torch.backends.cudnn.allow_tf32 = False
     iters, repeats, steps = (3, 3, 5) if quick else (10, 5, STEPS)
     results: Dict[str, Any] = {"description": __doc__.split("\n\n")[0].replace("\n", " "),
-                               "steps": steps, "models": {}}
+                               "steps": steps, "optimize_compile": compile, "models": {}}
     for name in models or list(zoo_modern_models.BUILDERS):
         record: Dict[str, Any] = {}
         for setup in zoo_modern_models.SETUPS:
             print(f"zoo_modern: {name} {setup}", flush=True)
             try:
-                record[setup] = setup_row(name, setup, iters, repeats, steps)
+                record[setup] = setup_row(name, setup, iters, repeats, steps, compile)
             except Exception:  # noqa: BLE001 - one broken model must not hide the others
                 record[setup] = {"error": traceback.format_exc()[-3000:]}
                 traceback.print_exc()
@@ -301,8 +305,11 @@ def main() -> int:
     parser.add_argument("models", nargs="*", help=", ".join(zoo_modern_models.BUILDERS))
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--compile", choices=("off", "auto", "on"), default="off",
+                        help="optimize's compile argument: off (False), auto, on (True)")
     args = parser.parse_args()
-    results = run(args.quick, args.models or None, args.json)
+    compile = {"off": False, "auto": "auto", "on": True}[args.compile]
+    results = run(args.quick, args.models or None, args.json, compile)
     with open(args.json, "w") as out:
         json.dump(results, out, indent=2, default=str)
     print("\n".join(markdown(results)))
