@@ -1,5 +1,6 @@
-"""The hf_decode table (bench/hf_decode.py's record), without importing graphed
-or torch, for bench/run.py and scripts/gpu_check_summary.py."""
+"""The hf_decode table (bench/hf_decode.py's record) and the hf_decode_models
+table (bench/hf_decode_models.py's), without importing graphed or torch, for
+bench/run.py and scripts/gpu_check_summary.py."""
 
 from __future__ import annotations
 
@@ -41,4 +42,61 @@ def markdown(record: Dict[str, Any]) -> List[str]:
     lines.append("")
     lines.append("kernel floor (ms per decode step): " +
                  ", ".join(f"b{b} {ms}" for b, ms in floors.items()))
+    return lines
+
+
+def _cell(value: Any, digits: int = 4) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+def _short_note(note: str) -> str:
+    """A decoder note (graphed.Decoder.notes) in a few words."""
+    if "sliding window" in note:
+        return "sliding layers held whole, masked to the window"
+    if "recurrent states" in note or "state-space layers" in note:
+        return "state-space states sized once"
+    if "graphed_grouped_mm" in note:
+        return "experts on graphed's grouped GEMM"
+    return note[:60]
+
+
+def models_markdown(record: Dict[str, Any]) -> List[str]:
+    """bench/hf_decode_models.py's rows: per model and batch, graphed's ms per
+    new token, the decode step's kernel floor and the ratio to it,
+    transformers' DynamicCache ms per token and graphed's speedup over it, and
+    whether the tokens equal transformers' (which cache); failures show their
+    error."""
+    lines = [f"### hf_decode_models ({record.get('prompt')}-token prompts, "
+             f"{record.get('new_tokens')} new tokens, greedy; ms per new token; fp32 with "
+             f"TF32 {'on' if record.get('tf32') else 'off'}, qwen3_moe bf16)\n",
+             "| model | batch | graphed | kernel floor | x floor | HF dynamic | x HF dynamic | "
+             "same tokens | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    batches = record.get("batches") or [1, 8]
+    for name, model in record.get("models", {}).items():
+        if "error" in model and not any(f"b{b}" in model for b in batches):
+            lines.append(f"| {name} | | FAILED: {model['error'][:200]} | | | | | | |")
+            continue
+        for batch in batches:
+            row = model.get(f"b{batch}", {})
+            if "error" in row:
+                lines.append(f"| {name} | {batch} | FAILED: {row['error'][:200]} | | | | | | |")
+                continue
+            same = row.get("same_tokens")
+            if same is None:
+                same = "-"
+            else:
+                same = f"{same} (vs {row.get('compared_with')})"
+                if not row.get("same_tokens") and "new_tokens_equal_fraction" in row:
+                    same += f", {row['new_tokens_equal_fraction']:.1%} of new tokens"
+            notes = [_short_note(note) for note in row.get("graph_notes") or []]
+            for path, error in (row.get("errors") or {}).items():
+                notes.append(f"{path} failed: {str(error.get('error', error))[:100]}")
+            ratio, speedup = row.get("ratio_to_floor"), row.get("speedup_vs_hf_dynamic")
+            lines.append(
+                f"| {name} | {batch} | {_cell(row.get('ms_per_token'))} | "
+                f"{_cell(row.get('kernel_floor_ms'))} | {_cell(ratio, 2)} | "
+                f"{_cell(row.get('hf_dynamic_ms_per_token'))} | {_cell(speedup, 2)} | {same} | "
+                f"{'; '.join(notes)} |")
+    lines.append("")
     return lines

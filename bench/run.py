@@ -79,13 +79,20 @@ WORKLOADS["rl_grpo"] = rl_grpo.run
 import hf_serving  # noqa: E402
 
 WORKLOADS["hf_serving"] = hf_serving.run
+# graphed.generate on sliding-window, state-space, hybrid and experts models (issue 27)
+import hf_decode_models  # noqa: E402
+
+WORKLOADS["hf_decode_models"] = hf_decode_models.run
 # Run only when named: soak measures safety, not speed (a minute or more);
 # gpt_fp8 trains a 400M-parameter model for minutes; zoo_modern trains seven
 # models in two setups for minutes; zoo_compile compiles each zoo model twice
 # from cold caches (a minute or more each); rl_grpo trains five GRPO runs
 # (TRL needs trl and datasets installed); hf_serving runs transformers'
-# continuous batching three ways on two models (minutes).
-OPT_IN = {"soak", "gpt_fp8", "zoo_modern", "zoo_compile", "rl_grpo", "hf_serving"}
+# continuous batching three ways on two models (minutes); hf_decode_models
+# decodes six models at two batches with transformers' slow paths beside
+# (two to three minutes).
+OPT_IN = {"soak", "gpt_fp8", "zoo_modern", "zoo_compile", "rl_grpo", "hf_serving",
+          "hf_decode_models"}
 
 
 def markdown(results) -> str:
@@ -105,6 +112,9 @@ def markdown(results) -> str:
             continue
         if name == "hf_serving":
             lines.extend(hf_serving.markdown(workload))
+            continue
+        if name == "hf_decode_models":
+            lines.extend(hf_decode_models.markdown(workload))
             continue
         if "models" in workload:
             lines.append(zoo.markdown(workload))

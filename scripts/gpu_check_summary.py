@@ -105,6 +105,9 @@ def main(out, bench_name="h200.json", logs=None):
         if "apis" in data:
             print(f"| {workload} | see the soak table | | | | | |")
             continue
+        if workload == "hf_decode_models":
+            print(f"| {workload} | see the hf_decode_models table | | | | | |")
+            continue
         if "models" in data:
             print(f"| {workload} | see the zoo tables | | | | | |")
             continue
@@ -131,10 +134,13 @@ def main(out, bench_name="h200.json", logs=None):
             print(f"| {workload} | {method} | {r['ms']:.4f} | {floor} | "
                   f"{r['speedup_vs_eager']:.2f} | {r.get('capture_ms', '')} | "
                   f"{r.get('graph_mb', '')} |")
-    for data in results["workloads"].values():
+    for workload, data in results["workloads"].items():
         if "apis" in data:
             soak_rows(data)
-        if "models" in data and "steps" in data:  # zoo_modern
+        if workload == "hf_decode_models" and "error" not in data:
+            print()
+            print(_hf_decode_models_markdown(data))
+        elif "models" in data and "steps" in data:  # zoo_modern
             print()
             print(_zoo_modern_markdown(data))
         elif "models" in data:
@@ -162,6 +168,13 @@ def _hf_decode_markdown(data):
     import hf_decode_report  # without importing graphed or torch
 
     return "\n".join(hf_decode_report.markdown(data))
+
+
+def _hf_decode_models_markdown(data):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import hf_decode_report  # without importing graphed or torch
+
+    return "\n".join(hf_decode_report.models_markdown(data))
 
 
 def _auto_overhead_markdown(data):
