@@ -42,6 +42,7 @@ from .serving import generate_batch
 from .graphed_callables import graph_stats, graphed_core, make_graphed_callables
 from .train import TrainStep, make_capturable
 from . import distributed
+from . import fsdp
 from . import fp8
 from . import moe
 from .nvtx import nvtx_enabled, set_nvtx
@@ -97,6 +98,7 @@ __all__ = [
     "make_graphed_callables",
     "cmake_prefix_path",
     "distributed",
+    "fsdp",
     "graph_pool_handle",
     "make_capturable",
     "build_info",

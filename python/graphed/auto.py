@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, fsdp
 from ._compiled import compiled_forward, torch_compile_options
 from ._experts import capturable_experts
 from ._progress import CaptureProgress
@@ -135,6 +135,10 @@ def auto(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphed.auto expects a torch.nn.Module, got {type(model).__name__}")
+    fsdp.refuse("graphed.auto", model,
+                "it graphs submodules one by one, and FSDP2's hooks around each sharded "
+                "module's forward and backward unshard and reshard its parameters on the host, "
+                "between the graphs.")
     if getattr(model, _MANAGER_ATTRIBUTE, None) is not None:
         raise _C.GraphedError(
             "This model is already managed by graphed.auto; call graphed.auto once per model "

@@ -111,14 +111,15 @@ def _first_set(names: Sequence[str]) -> Tuple[str, Optional[str]]:
     return names[0], None
 
 
-def _nccl_environment_problems() -> List[str]:
+def _nccl_environment_problems(issuer: str = "DDP's") -> List[str]:
+    """NCCL settings that stop ``issuer`` collectives from being captured."""
     problems = []
     name, value = _first_set(_ASYNC_ERROR_HANDLING)
     if value is None or value.strip() != "0":
         found = "unset (torch then turns it on)" if value is None else f"{value!r}"
         problems.append(
             f"NCCL's asynchronous error handling is on ({name} is {found}); PyTorch's CUDA-graph "
-            "notes require it off when DDP's collectives are captured. Set "
+            f"notes require it off when {issuer} collectives are captured. Set "
             "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment before the process group is "
             "created, or create it with graphed.distributed.init_process_group(), which does.")
     name, value = _first_set(_BLOCKING_WAIT)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import _C, _progress, measure
+from . import _C, _progress, fsdp, measure
 from ._C import GraphedError
 from ._experts import capturable_experts
 from ._compiled import torch_compile_options, worth_compiling
@@ -396,6 +396,9 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
     outcome are also logged to the ``graphed.optimize`` logger.
     """
     settings = settings or ProfileSettings()
+    fsdp.refuse("graphed.optimize", model,
+                "its eager reference trains a deep copy of the model, and FSDP2 modules cannot be "
+                "copied (their parameters are shards of a process group's tensors).")
     if optimizer is not None:
         if not isinstance(model, nn.Module):
             raise GraphedError(

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from . import _C, distributed, fp8
+from . import _C, distributed, fp8, fsdp
 from ._experts import capturable_experts
 from ._C import GraphedError
 
@@ -486,6 +486,15 @@ class TrainStep:
     the fix; end with :func:`graphed.distributed.shutdown`, which releases the
     graph before the process group. See Note [Capturing collectives] in
     include/graphed/train_step.h.
+
+    Under FSDP2 (``modules`` holding a model sharded with ``fully_shard``,
+    sharded as a whole and per block) the unshards, all-gathers and
+    reduce-scatters are captured with the step, and the optimizer steps the
+    sharded parameters; the default capture mode becomes ``"thread_local"``;
+    what cannot be captured (CPU offload, resharding the root after forward,
+    gradient sync off, ...) is refused here with the fix (see
+    :func:`graphed.fsdp.check_fsdp2` and Note [FSDP2 inside a captured step]
+    in python/graphed/fsdp.py). End with :func:`graphed.distributed.shutdown`.
     """
 
     def __init__(self, step_fn: Callable[[Any], torch.Tensor], sample_batch: Any, *,
@@ -505,10 +514,13 @@ class TrainStep:
                     f"(microbatches={microbatches}), got {found}.")
         self.modules, self.optimizers = find_training_objects(step_fn, modules, optimizers)
         hooked = distributed.collective_capture(self.modules)
+        # FSDP2: checked, lazily initialised, its unsharded Parameters fresh
+        # (Note [FSDP2 inside a captured step] in python/graphed/fsdp.py).
+        sharded = fsdp.prepare_capture(self.modules, error_mode=capture_error_mode)
         if warmup is None:
             warmup = 3 if hooked is None else distributed.COLLECTIVE_WARMUP_ITERS
         if capture_error_mode is None:
-            capture_error_mode = ("global" if hooked is None
+            capture_error_mode = ("global" if hooked is None and sharded is None
                                   else distributed.COLLECTIVE_CAPTURE_ERROR_MODE)
         for optimizer in self.optimizers:
             make_capturable(optimizer)
@@ -520,14 +532,25 @@ class TrainStep:
         # Each step checks that the modules still hold the tensors the graph
         # trains (Note [Tensors a graph reads in place]).
         submodules = [m for module in self.modules for m in module.modules()]
-        tensor_dicts = [m._parameters for m in submodules] + [m._buffers for m in submodules]
+        if sharded is None:
+            core_state = tensors
+            tensor_dicts = [m._parameters for m in submodules] + [m._buffers for m in submodules]
+        else:
+            # The core works on storage: DTensors become their local shards.
+            core_state = fsdp.local_tensors(tensors)
+            tensor_dicts = fsdp.tensor_dicts(submodules)
+        #: FSDP2's parameter groups, resharded before a step when an eager
+        #: forward between steps left them unsharded (see step()).
+        self._fsdp_groups = [] if sharded is None else [
+            g for root in sharded.roots for s in root._get_fsdp_state()._state_ctx.all_states
+            for g in s._fsdp_param_groups]
         self._core = _C.TrainStep(step_fn, sample_batch, warmup,
                                   None if pool is None else tuple(pool), capture_error_mode,
-                                  tensors, clone_loss, _describe(step_fn), hooked,
+                                  core_state, clone_loss, _describe(step_fn), hooked,
                                   tensor_dicts=tensor_dicts)
         logger.debug("TrainStep: captured %s (%d tensors of training state)",
                      _describe(step_fn), len(tensors))
-        if hooked is not None:
+        if hooked is not None or sharded is not None:
             distributed.register(self)
         # Replays change FP8 layers' weights without a version bump: each step
         # starts a new weight-cast epoch (Note [The weight is cast once per step]).
@@ -569,6 +592,13 @@ class TrainStep:
         scaling (:func:`graphed.fp8.convert`) gets :func:`graphed.fp8.update_scales`
         after the last backward, before the optimizer step, inside the graph."""
         distributed.collective_capture([model])  # DDP problems first, before any other work
+        if fsdp.find_fsdp2([model]):
+            # FSDP2 problems too, and its lazy init before make_capturable
+            # creates optimizer state (Note [FSDP2 inside a captured step]).
+            fsdp.raise_problems(fsdp.check_step_settings(
+                clip_grad_norm=clip_grad_norm, skip_nonfinite=skip_nonfinite, amp=amp,
+                loss_scaling=loss_scaling, float8=bool(fp8.float8_layers(model))))
+            fsdp.prepare_capture([model], error_mode=capture_error_mode)
         iteration, guard = training_iteration(
             model, optimizer, loss_fn, sample_batch, microbatches=microbatches,
             clip_grad_norm=clip_grad_norm, amp=amp, skip_nonfinite=skip_nonfinite,
@@ -584,6 +614,12 @@ class TrainStep:
         returns the loss (a device tensor; no host sync)."""
         if getattr(self, "_float8", False):
             _C.advance_float8_weight_epoch()
+        for group in getattr(self, "_fsdp_groups", ()):
+            # An eager FSDP2 forward between steps (evaluation, no backward)
+            # leaves unsharded parameters that this step's update would make
+            # stale; a later eager forward would skip its unshard and use them.
+            if not group.is_sharded:
+                group.reshard()
         return self._core.step(batch)
 
     __call__ = step
@@ -591,7 +627,14 @@ class TrainStep:
     def capture_eval(self, fn: Callable[..., Any], *sample_args: Any, warmup: int = 1,
                      **sample_kwargs: Any) -> None:
         """Captures ``fn`` (forward only, no autograd) into the same memory pool;
-        :meth:`evaluate` replays it. Model state is restored after its warm-up."""
+        :meth:`evaluate` replays it. Model state is restored after its warm-up.
+        Not under FSDP2 (evaluate eagerly between steps there)."""
+        if getattr(self, "_fsdp_groups", None):
+            raise GraphedError(
+                "capture_eval is not supported under FSDP2: an evaluation forward has no "
+                "backward, so FSDP2 leaves the root's parameters unsharded after it, in memory "
+                "the training graph does not own. Evaluate eagerly between steps (model(x) "
+                "under torch.no_grad()); the next step() reshards first.")
         self._core.capture_eval(fn, tuple(sample_args), dict(sample_kwargs), warmup)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
