@@ -137,8 +137,8 @@ from ._C import GraphedError
 # Options FSDP2 offers that capture keeps: reshard_after_forward=True or False
 # on the blocks (False keeps the unsharded parameters from forward to
 # backward and saves the backward all-gather; both stay inside the step),
-# MixedPrecisionPolicy, set_unshard_in_backward, set_reduce_scatter_divide_factor
-# / set_gradient_divide_factor, set_force_sum_reduction_for_comms,
+# MixedPrecisionPolicy, set_unshard_in_backward, set_gradient_divide_factor
+# (set_reduce_scatter_divide_factor), set_force_sum_reduction_for_comms,
 # set_reduce_scatter_unused_params, explicit forward and backward prefetching.
 # Not supported yet, refused: clip_grad_norm, skip_nonfinite and fp16 loss
 # scaling (the gradient guard would take norms of sharded DTensor gradients,
@@ -204,16 +204,25 @@ def _states(model: nn.Module) -> List[Any]:
     return states
 
 
-def _module_name(model: nn.Module, module: nn.Module) -> str:
-    for name, sub in model.named_modules():
-        if sub is module:
-            return name or type(model).__name__
+def _class_name(module: nn.Module) -> str:
+    """The class a module had before fully_shard made it an FSDP subclass."""
+    fsdp_class = _fsdp_module_class()
+    if fsdp_class is not None and isinstance(module, fsdp_class):
+        return type(module).__mro__[getattr(module, "_orig_cls_mro_index", 2)].__name__
     return type(module).__name__
 
 
-def _group_name(group: Any) -> str:
-    return getattr(group, "_module_fqn", None) or ", ".join(
-        type(m).__name__ for m in getattr(group, "modules", ())) or "a module"
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    for name, sub in model.named_modules():
+        if sub is module:
+            return name or _class_name(model)
+    return _class_name(module)
+
+
+def _group_name(model: nn.Module, group: Any) -> str:
+    """The module (or modules) of an FSDP2 parameter group, by name in ``model``."""
+    names = [_module_name(model, m) for m in getattr(group, "modules", ())]
+    return f"`{', '.join(names)}`" if names else "a fully_shard module"
 
 
 def _reshards_to_other_mesh(group: Any) -> bool:
@@ -270,12 +279,12 @@ def check_fsdp2(model: nn.Module, *, error_mode: Optional[str] = None) -> List[s
     root_state = model._get_fsdp_state()
     if root_state._is_root is False:
         problems.append(
-            f"{type(model).__name__} is not FSDP2's root: its forward already ran inside an "
+            f"{_class_name(model)} is not FSDP2's root: its forward already ran inside an "
             "outer fully_shard module. Build the TrainStep over the outermost fully_shard "
             "module.")
     if _root_reshards_after_forward(root_state):
         problems.append(
-            f"The root {type(model).__name__} reshards its parameters after forward "
+            f"The root {_class_name(model)} reshards its parameters after forward "
             "(reshard_after_forward=True or set_reshard_after_forward(True) on the root); its "
             "backward all-gather then waits on FSDP2 stream work outside the capture "
             "(CUDA_ERROR_STREAM_CAPTURE_ISOLATION, as TorchTitan found). Leave the root at the "
@@ -295,7 +304,7 @@ def check_fsdp2(model: nn.Module, *, error_mode: Optional[str] = None) -> List[s
     devices = set()
     for state in _states(model):
         for group in state._fsdp_param_groups:
-            name = _group_name(group)
+            name = _group_name(model, group)
             offload = type(getattr(group, "offload_policy", None)).__name__
             if offload == "CPUOffloadPolicy":
                 problems.append(
@@ -437,6 +446,13 @@ def prepare_capture(modules: Iterable[nn.Module], *,
     if not sharded:
         return None
     modules = list(modules)
+    # An eager forward without backward (evaluation) leaves parameters
+    # unsharded; resharding them is what FSDP2's next backward would do.
+    for module in sharded:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            if not group.is_sharded and group._all_gather_result is None and \
+                    group._training_state.name == "IDLE":
+                group.reshard()
     problems: List[str] = []
     for module in modules:
         if find_fsdp2([module]):
