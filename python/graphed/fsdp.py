@@ -466,6 +466,38 @@ def prepare_capture(modules: Iterable[nn.Module], *,
     return FSDP2Capture(roots=roots, world_size=max(world_size(r) for r in roots))
 
 
+def reset_after_failure(capture: FSDP2Capture) -> None:
+    """Puts FSDP2's Python state back to that of a finished step after a
+    warm-up or capture raised mid-step: every group IDLE and sharded, no
+    pending all-gather, reduce-scatter or event. This is FSDP2's own
+    reset_iter_state without its waits on the failed step's events, which may
+    have been recorded inside the failed capture and cannot be waited on
+    outside it (Note [FSDP2 inside a captured step], points 2 and 6)."""
+    for root in capture.roots:
+        root_state = root._get_fsdp_state()
+        comm = root_state._comm_ctx
+        comm.all_gather_state = None
+        if hasattr(comm, "reduce_scatter_states"):
+            comm.reduce_scatter_states.clear()
+            comm._last_post_reduce_events.clear()
+            comm.post_forward_order.clear()
+        ctx = root_state._state_ctx
+        ctx.iter_forward_root = None
+        ctx.post_backward_final_callback_queued = False
+        for state in ctx.all_states or [root_state]:
+            state._modules_to_run_forward.clear()
+            state._training_state = type(state._training_state).IDLE
+            for group in state._fsdp_param_groups:
+                group._all_gather_result = None
+                group._post_reduce_event = None
+                group._all_reduce_state = None
+                group._reshard_after_forward_event = None
+                group._partial_reduce_output = None
+                group._post_forward_indices.clear()
+                group._training_state = type(group._training_state).IDLE
+                group._to_sharded()
+
+
 def local_tensors(tensors: Iterable[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
     """``tensors`` with each DTensor replaced by its local tensor (the data the
     graph reads and writes), each once (Note [FSDP2 inside a captured step],

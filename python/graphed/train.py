@@ -544,10 +544,17 @@ class TrainStep:
         self._fsdp_groups = [] if sharded is None else [
             g for root in sharded.roots for s in root._get_fsdp_state()._state_ctx.all_states
             for g in s._fsdp_param_groups]
-        self._core = _C.TrainStep(step_fn, sample_batch, warmup,
-                                  None if pool is None else tuple(pool), capture_error_mode,
-                                  core_state, clone_loss, _describe(step_fn), hooked,
-                                  tensor_dicts=tensor_dicts)
+        try:
+            self._core = _C.TrainStep(step_fn, sample_batch, warmup,
+                                      None if pool is None else tuple(pool), capture_error_mode,
+                                      core_state, clone_loss, _describe(step_fn), hooked,
+                                      tensor_dicts=tensor_dicts)
+        except BaseException:
+            if sharded is not None:
+                # The core put the tensors back; FSDP2's Python state stopped
+                # mid-step (Note [FSDP2 inside a captured step], point 6).
+                fsdp.reset_after_failure(sharded)
+            raise
         logger.debug("TrainStep: captured %s (%d tensors of training state)",
                      _describe(step_fn), len(tensors))
         if hooked is not None or sharded is not None:

@@ -277,3 +277,44 @@ def test_capture_eval_is_refused_under_fsdp2():
     step._fsdp_groups = [object()]
     with pytest.raises(graphed.GraphedError, match="capture_eval is not supported under FSDP2"):
         step.capture_eval(lambda x: x, torch.zeros(1))
+
+
+class Failing(nn.Module):
+    """Raises in forward while ``fail`` is set (a capture failing mid-step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("failed mid-forward")
+        return x
+
+
+def test_reset_after_failure_leaves_fsdp2_as_after_a_finished_step(mesh):
+    def model_with_failing_block():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), Failing(),
+                              nn.Linear(8, 4))
+        return sharded(mesh, model)
+
+    reference = model_with_failing_block()
+    expected = eager_steps(reference, 3)
+    model = model_with_failing_block()
+    model[3].fail = True
+    with pytest.raises(RuntimeError, match="failed mid-forward"):
+        model(torch.randn(2, 8)).sum().backward()
+    states = model._get_fsdp_state()._state_ctx.all_states
+    assert any(g._training_state.name != "IDLE" or not g.is_sharded
+               for s in states for g in s._fsdp_param_groups), "nothing to reset"
+    fsdp.reset_after_failure(fsdp.FSDP2Capture(roots=[model]))
+    for state in states:
+        assert state._training_state.name == "IDLE"
+        for group in state._fsdp_param_groups:
+            assert group.is_sharded and group._training_state.name == "IDLE"
+            assert group._all_gather_result is None
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+    only_cpu(fsdp.check_fsdp2(model))
+    model[3].fail = False
+    assert eager_steps(model, 3) == expected
