@@ -1,6 +1,9 @@
-"""gpt_train under DistributedDataParallel, one process per GPU: eager DDP
-against graphed.TrainStep over DDP (forward, backward, all-reduces and AdamW
-captured as one graph), side by side in each process.
+"""gpt_train under DistributedDataParallel and FSDP2, one process per GPU:
+eager DDP against graphed.TrainStep over DDP (forward, backward, all-reduces
+and AdamW captured as one graph), and eager FSDP2 (fully_shard on every block
+and the whole model) against graphed.TrainStep over it (unshards,
+all-gathers, reduce-scatters and AdamW on the shards captured), side by side
+in each process.
 
     torchrun --standalone --nproc-per-node 2 bench/ddp_train.py \\
         --json bench/results/h200x2.json [--markdown OUT.md] [--quick]
@@ -41,6 +44,20 @@ def eager_ddp(base: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor
     return eager_step(model, tokens, targets)
 
 
+def fsdp2_model(base: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``base`` sharded the usual way: fully_shard on every block,
+    then on the whole model (default resharding: blocks after forward, the
+    root not)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = copy.deepcopy(base)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def run(quick: bool) -> Dict[str, Any]:
     workloads.configure_numerics()
     base, _, _ = workloads.gpt_train()  # seed 0: the same model on every rank
@@ -57,9 +74,22 @@ def run(quick: bool) -> Dict[str, Any]:
         methods["graphed_trainstep"].record["kernels"] = train.stats()["kernels"]
         return lambda: train((tokens, targets))
 
+    def fsdp2_graphed():
+        model = fsdp2_model(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        train = graphed.TrainStep.from_parts(model, optimizer, workloads.gpt_loss,
+                                             (tokens, targets))
+        methods["fsdp2_graphed"].record["kernels"] = train.stats()["kernels"]
+        return lambda: train((tokens, targets))
+
     methods = {
         "eager": Method("eager", lambda: eager_ddp(base, tokens, targets)),
         "graphed_trainstep": Method("graphed_trainstep", graphed_trainstep, True),
+        # gpt_train's eager step on the FSDP2 model (zero_grad(set_to_none=False),
+        # AdamW's default implementation over the DTensor shards).
+        "fsdp2_eager": Method("fsdp2_eager",
+                              lambda: eager_step(fsdp2_model(base), tokens, targets)),
+        "fsdp2_graphed": Method("fsdp2_graphed", fsdp2_graphed, True),
     }
     first_losses = {}
     for name, method in methods.items():
@@ -82,14 +112,19 @@ def run(quick: bool) -> Dict[str, Any]:
         record["ms"] = round(slowest[name], 4)
         record["speedup_vs_eager"] = round(slowest["eager"] / slowest[name], 3)
         record["first_loss_diff_vs_eager"] = abs(first_losses[name] - first_losses["eager"])
+        if name.startswith("fsdp2_"):
+            record["speedup_vs_fsdp2_eager"] = round(slowest["fsdp2_eager"] / slowest[name], 3)
+        record["world_size"] = world
         records[name] = record
     # Graphs before the process group: see graphed.distributed.shutdown.
     for method in methods.values():
         method.run = None
     return {
-        "description": (workloads.GPT_TRAIN_DESCRIPTION + f"; DistributedDataParallel over "
-                        f"{world} GPUs (one process each, NCCL), batch 8x128 tokens per rank; "
-                        "ms is the slowest rank's median"),
+        "description": (workloads.GPT_TRAIN_DESCRIPTION + f"; DistributedDataParallel "
+                        f"(eager, graphed_trainstep) and FSDP2 fully_shard per block and on the "
+                        f"root (fsdp2_eager, fsdp2_graphed) over {world} GPUs (one process "
+                        "each, NCCL), batch 8x128 tokens per rank; ms is the slowest rank's "
+                        "median"),
         "world_size": world,
         "methods": records,
     }
@@ -102,14 +137,17 @@ def markdown(results: Dict[str, Any]) -> str:
             lines.append(f"### {name}: FAILED\n\n```\n{workload['error']}\n```\n")
             continue
         lines.append(f"### {name} ({workload['world_size']} GPUs)\n")
-        lines.append("| method | ms (slowest rank) | ms per rank | x eager | capture ms | graph MB |")
-        lines.append("|---|---:|---|---:|---:|---:|")
+        lines.append("| method | ms (slowest rank) | ms per rank | x eager DDP | x eager FSDP2 | "
+                     "capture ms | graph MB |")
+        lines.append("|---|---:|---|---:|---:|---:|---:|")
         for method, r in workload["methods"].items():
             ranks = ", ".join(f"{v:.4f}" for v in r["ms_per_rank"])
             capture = f"{r['capture_ms']:.1f}" if "capture_ms" in r else ""
             memory = "" if r.get("graph_mb") is None else f"{r['graph_mb']:.1f}"
+            fsdp2 = (f"{r['speedup_vs_fsdp2_eager']:.2f}" if "speedup_vs_fsdp2_eager" in r
+                     else "")
             lines.append(f"| {method} | {r['ms']:.4f} | {ranks} | {r['speedup_vs_eager']:.2f} | "
-                         f"{capture} | {memory} |")
+                         f"{fsdp2} | {capture} | {memory} |")
         lines.append("")
     return "\n".join(lines)
 
