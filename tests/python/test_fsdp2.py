@@ -318,3 +318,32 @@ def test_reset_after_failure_leaves_fsdp2_as_after_a_finished_step(mesh):
     only_cpu(fsdp.check_fsdp2(model))
     model[3].fail = False
     assert eager_steps(model, 3) == expected
+
+
+def test_make_capturable_steps_the_dtensor_shards_as_torchs_fused_adamw(mesh, monkeypatch):
+    """The optimizer of a captured FSDP2 step stays on the DTensor shards
+    (Note [FSDP2 inside a captured step], point 9): graphed's capturable
+    AdamW (fused, device learning rate, pre-made state) trains them as
+    torch's fused AdamW does. On the CPU here, so the GPU check is skipped."""
+    from graphed import train
+    monkeypatch.setattr(train, "_device_of", lambda optimizer: torch.device("cpu"))
+    reference = sharded(mesh)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    model = sharded(mesh)
+    optimizer = graphed.make_capturable(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = optimizer.state[next(model.parameters())]
+    assert type(state["exp_avg"]).__name__ == "DTensor" and type(state["step"]) is torch.Tensor
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    for net, opt in ((reference, reference_optimizer), (model, optimizer)):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    moved = False
+    for p, q, w in zip(model.parameters(), reference.parameters(), sharded(mesh).parameters()):
+        assert torch.equal(p._local_tensor, q._local_tensor)
+        moved = moved or not torch.equal(p._local_tensor, w._local_tensor)
+    assert moved
+    tensors = train.training_state([model], [optimizer])
+    local = fsdp.local_tensors(tensors)
+    assert len(local) == len(tensors) and all(type(t) is torch.Tensor for t in local)
