@@ -28,6 +28,9 @@ from graphed import distributed, fsdp
 
 pytestmark = [
     pytest.mark.gpu,
+    # Worker processes of their own on the GPU: scripts/gpu-check runs these
+    # (world size 1) after the tests it spreads over several processes.
+    pytest.mark.exclusive,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(not (torch.distributed.is_available()
                             and torch.distributed.is_nccl_available()),
