@@ -36,7 +36,7 @@ sequence-length bucket, TRL's loss unchanged by the padding; what it cannot
 reproduce runs TRL's training step, counted in
 ``trainer.graphed_update.fallbacks`` (graphed.integrations.trl_update).
 
-TRL is imported only by this module and trl_update.
+TRL is imported only by this module, trl_update and trl_loss.
 """
 
 from __future__ import annotations
