@@ -28,10 +28,11 @@ Typical use, under ``torchrun --nproc-per-node N``::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -256,6 +257,40 @@ def init_process_group(backend: str = "nccl", *, nvlink_multicast: bool = True,
     return torch.distributed.group.WORLD
 
 
+@contextlib.contextmanager
+def on_capture_stream(device: Optional[Any] = None) -> Iterator[torch.cuda.Stream]:
+    """Makes graphed's capture stream (of ``device``, default the current GPU)
+    current for the body, after the work already queued on the current
+    stream, and makes the current stream wait for it afterwards. A
+    DistributedDataParallel constructed inside creates its gradient
+    accumulators there, so a TrainStep can capture its all-reduces (Note
+    [Capturing collectives], point 1). For code that builds DDP itself (a
+    framework's strategy); :func:`prepare_ddp` uses it."""
+    index = torch.cuda.current_device() if device is None else _device_index(device)
+    stream = capture_stream(index)
+    current = torch.cuda.current_stream(index)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            yield stream
+    finally:
+        current.wait_stream(stream)
+
+
+def build_ddp(module: nn.Module, device: Optional[Any] = None, **ddp_kwargs: Any) -> nn.Module:
+    """DistributedDataParallel(module, **ddp_kwargs) built as a captured step
+    needs it: on graphed's capture stream (:func:`on_capture_stream`), with the
+    FP8 scaling state of graphed.fp8 layers left out of DDP's buffer broadcast.
+    Checks nothing: :func:`prepare_ddp` checks and raises; the integrations
+    build with this and decide later (:func:`framework_ddp_problems`)."""
+    ddp_class = _ddp_class()
+    if ddp_class is None:
+        raise GraphedError("torch.distributed is not available in this torch build.")
+    fp8.keep_state_out_of_ddp(module)
+    with on_capture_stream(device):
+        return ddp_class(module, **ddp_kwargs)
+
+
 def prepare_ddp(module: nn.Module, *, device: Optional[Any] = None, **ddp_kwargs: Any) -> nn.Module:
     """Wraps ``module`` (already on its GPU) in DistributedDataParallel so that a
     TrainStep can capture its all-reduces: built on graphed's capture stream
@@ -282,14 +317,77 @@ def prepare_ddp(module: nn.Module, *, device: Optional[Any] = None, **ddp_kwargs
             f"prepare_ddp expected every parameter of {type(module).__name__} on cuda:{index}, "
             f"found {found}. Move the model first: module.to('cuda:{index}').")
     ddp_kwargs.setdefault("device_ids", [index])
-    fp8.keep_state_out_of_ddp(module)
-    stream = capture_stream(index)
-    stream.wait_stream(torch.cuda.current_stream(index))
-    with torch.cuda.device(index), torch.cuda.stream(stream):
-        model = ddp_class(module, **ddp_kwargs)
-    torch.cuda.current_stream(index).wait_stream(stream)
+    model = build_ddp(module, index, **ddp_kwargs)
     _raise_problems(check_ddp(model))
     return model
+
+
+# Note [DDP built by a framework]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The Hugging Face Trainer (through accelerate's prepare_model) and
+# Lightning's DDPStrategy (_setup_model) construct the
+# DistributedDataParallel themselves, and the integrations capture the whole
+# optimizer step through that wrapper, so its forward prepares the reducer and
+# its gradient hooks launch the all-reduces inside the graph, as for a
+# TrainStep over prepare_ddp's model. Four things differ from prepare_ddp:
+#  1. The stream. accelerate builds DDP on the current (default) stream,
+#     Lightning on a fresh side stream; Note [Capturing collectives] point 1
+#     needs graphed's capture stream. The integrations make the framework's
+#     construction run under on_capture_stream (Lightning: the strategy's
+#     _setup_model replaced for the fit by build_ddp with the strategy's
+#     device ids and DDP arguments). A DDP built before graphed could do so
+#     is refused by the core at capture, before any warm-up, and the
+#     integration falls back.
+#  2. The checks. framework_ddp_problems is check_ddp plus what only a
+#     framework configures: a communication hook (register_comm_hook; Python
+#     code run per bucket that a replay would not run). The integrations turn
+#     each problem into a counted fallback with its fix instead of raising.
+#  3. Warm-up. The frameworks' own warm-up defaults (3) are below
+#     COLLECTIVE_WARMUP_ITERS; collective_warmup raises them under DDP.
+#  4. Gradient accumulation. The frameworks run the non-final micro-batches
+#     of an optimizer step under no_sync(). The captured iteration (Note [One
+#     training iteration]) all-reduces every micro-batch's gradients instead:
+#     the sum of the averaged micro-batch gradients equals the average of the
+#     summed ones up to rounding (exactly at world size 1), at the cost of
+#     one all-reduce per micro-batch instead of one per step. The eager
+#     fallback of a step the graph cannot take runs its micro-batches synced
+#     too. Every rank must take the same decision each step (a graphed step
+#     on one rank against an eager one on another pairs different
+#     collectives): the per-step fallbacks depend on batch shapes only, so
+#     fixed shapes (drop_last, padding to one length) keep the ranks together.
+
+
+def framework_ddp_problems(model: nn.Module) -> List[str]:
+    """What stops an integration (the HF Trainer's, Lightning's) from capturing
+    the all-reduces of the DistributedDataParallel ``model`` its framework
+    built: :func:`check_ddp`, and a communication hook registered on it. One
+    sentence per problem, each with its fix; empty when there is none (Note
+    [DDP built by a framework])."""
+    problems = check_ddp(model)
+    hooks = getattr(model, "_comm_hooks", None) or []
+    if hooks:
+        names = ", ".join(getattr(hook, "__qualname__", None) or type(hook).__name__
+                          for hook, _ in hooks)
+        problems.append(
+            f"DistributedDataParallel has a communication hook ({names}, from "
+            "register_comm_hook): Python code run for every gradient bucket, which a replayed "
+            "graph would not run. graphed captures DDP's built-in all-reduce only; remove the "
+            "hook (accelerate: no comm_hook in DistributedDataParallelKwargs; Lightning: "
+            "DDPStrategy(ddp_comm_hook=None)).")
+    return problems
+
+
+def describe_problem(problem: str) -> str:
+    """One problem of :func:`check_ddp` as a sentence that names what it is
+    about, for a fallback reason."""
+    return f"Cannot capture DistributedDataParallel's all-reduces: {problem}"
+
+
+def collective_warmup(modules: Iterable[nn.Module], warmup: int) -> int:
+    """``warmup``, raised to :data:`COLLECTIVE_WARMUP_ITERS` when a
+    DistributedDataParallel is among ``modules`` (Note [Capturing
+    collectives], point 2)."""
+    return max(warmup, COLLECTIVE_WARMUP_ITERS) if find_ddp(modules) else warmup
 
 
 def register(step: Any) -> None:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import distributed
 from .._C import GraphedError, InputMismatchError
 from ..auto import auto as _auto, stats as _auto_stats
 from ..capture import capture as _capture, graph_pool_handle as _graph_pool_handle
@@ -51,7 +52,8 @@ from .lightning_step import (CALLBACK_STEP_HOOKS, GraphedTraining, LogRecorder, 
                              _Recording, _attribute_reads, _code_of, _concat, _device_problem,
                              _frozen_reads, _lightning_base, _metric_modules, _nested_codes,
                              _optimizer_problem, _overridden, _parameter_reads, batch_signature,
-                             concat_batches, describe_signature, step_conditions)
+                             concat_batches, ddp_problems, ddp_wrapper, describe_signature,
+                             is_ddp_strategy, step_conditions)
 
 __all__ = ["CUDAGraphs", "StepSettings", "step_conditions"]
 
@@ -59,7 +61,7 @@ __all__ = ["CUDAGraphs", "StepSettings", "step_conditions"]
 #: stays importable from here, as before the step mode had a file of its own.
 _REEXPORTED = (CALLBACK_STEP_HOOKS, MODULE_STEP_HOOKS, PRECISIONS, StepEngine, TrainingStepModule,
                _attribute_reads, _code_of, _concat, _Logged, _metric_modules, _nested_codes,
-               _optimizer_problem, _parameter_reads)
+               _optimizer_problem, _parameter_reads, ddp_problems)
 
 logger = logging.getLogger("graphed.integrations.lightning")
 
@@ -110,6 +112,36 @@ FALLBACKS = ("eager", "raise")
 # the graph with the reason.
 
 
+# Note [DDP in Lightning's captured step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With strategy="ddp" (DDPStrategy, any number of devices, one included)
+# Lightning wraps the LightningModule in DistributedDataParallel
+# (DDPStrategy._setup_model, from strategy.setup, after the callbacks' setup
+# hook) and calls training_step through it: its strategy's training_step
+# "redirects" the call, patching the module's forward to run training_step
+# once and calling the wrapper, so that DDP's forward prepares the reducer.
+# The step mode does the same (TrainingStepModule with the wrapper), inside
+# the captured iteration, so DDP's gradient hooks all-reduce in the graph as
+# for a TrainStep over graphed.distributed.prepare_ddp's model (Note [DDP
+# built by a framework] in python/graphed/distributed.py). What changes:
+#  - the callback's setup hook replaces the strategy's _setup_model for the
+#    fit by graphed.distributed.build_ddp with the strategy's device ids and
+#    DDP arguments: Lightning builds DDP on a fresh side stream, the capture
+#    needs graphed's capture stream (teardown puts Lightning's back);
+#  - step_conditions refuses what DDP capture cannot do (ddp_problems:
+#    graphed.distributed.framework_ddp_problems on the wrapper: the gloo
+#    backend, NCCL's asynchronous error handling, find_unused_parameters
+#    without static_graph, a communication hook), each with its fix, and
+#    mode="modules" refuses DDPStrategy (graphed.auto's backward is not
+#    DDP's), so mode="auto" under DDP is the step mode or eager;
+#  - the warm-up is at least graphed.distributed.COLLECTIVE_WARMUP_ITERS.
+# Lightning blocks DDP's gradient sync (no_sync) on the batches that only
+# accumulate; the captured iteration all-reduces every micro-batch (point 4
+# of that Note), and a window that runs eagerly does so too, since the
+# callback runs its batches at the window's last one, outside Lightning's
+# no_sync.
+
+
 # --- the callback -------------------------------------------------------------------
 
 
@@ -134,7 +166,10 @@ class CUDAGraphs(_Callback):
         modules, buckets, memory_budget: passed to :func:`graphed.auto` in
             modules mode.
 
-    Conditions of the step mode: one CUDA device, automatic optimization, one
+    Conditions of the step mode: one CUDA device (SingleDeviceStrategy) or
+    DDP (``strategy="ddp"``, see Note [DDP in Lightning's captured step]:
+    NCCL with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, no
+    ``find_unused_parameters``), automatic optimization, one
     optimizer that :func:`graphed.make_capturable` accepts (fused
     Adam/AdamW/SGD or one with ``capturable``), precision ``32-true``,
     ``bf16-mixed`` or ``16-mixed`` (graphed's own loss scaling, with
@@ -242,7 +277,8 @@ class CUDAGraphs(_Callback):
         and installs it."""
         self._reset()
         self._trainer, self._module = trainer, pl_module
-        problem = _device_problem(trainer) if self._require_cuda else None
+        problem = (_device_problem(trainer, ddp=self.mode in ("auto", "step"))
+                   if self._require_cuda else None)
         if problem:
             self._fall_back("training", problem)
             return
@@ -261,9 +297,34 @@ class CUDAGraphs(_Callback):
             self._fall_back("the training step", reason, to="modules")
         self._install_modules(pl_module)
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Before DDPStrategy wraps the module for fitting: makes it build the
+        DistributedDataParallel on graphed's capture stream (Note [DDP in
+        Lightning's captured step])."""
+        strategy = trainer.strategy
+        if stage != "fit" or self.mode == "modules" or not is_ddp_strategy(strategy):
+            return
+        device = getattr(strategy, "root_device", None)
+        if device is None or device.type != "cuda" or "_setup_model" in vars(strategy):
+            return
+
+        def _setup_model(model: nn.Module) -> nn.Module:
+            return distributed.build_ddp(model, device, device_ids=[device.index],
+                                         **strategy._ddp_kwargs)
+
+        strategy._setup_model = _setup_model
+        self._patched_strategy = strategy
+
+    def _unpatch_strategy(self) -> None:
+        strategy = getattr(self, "_patched_strategy", None)
+        if strategy is not None:
+            vars(strategy).pop("_setup_model", None)
+            self._patched_strategy = None
+
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Puts back everything the callback replaced and frees the graphs;
         :attr:`report` keeps their statistics."""
+        self._unpatch_strategy()
         if self._module is None:
             return
         if self._loop is not None:
@@ -389,8 +450,20 @@ class CUDAGraphs(_Callback):
 
     def _make_engine(self, pl_module: Any, optimizer: Any, settings: StepSettings, batch: Any,
                      extra_args: Tuple[Any, ...]) -> Any:
-        """The captured step (a :class:`GraphedTraining`)."""
-        return GraphedTraining(pl_module, optimizer, settings, batch, extra_args, self.warmup)
+        """The captured step (a :class:`GraphedTraining`); under DDPStrategy
+        through its DistributedDataParallel (Note [DDP in Lightning's captured
+        step])."""
+        wrapper = ddp_wrapper(self._trainer)
+        engine = GraphedTraining(pl_module, optimizer, settings, batch, extra_args, self.warmup,
+                                 wrapper)
+        if engine.warmup != self.warmup:
+            self._notes.append(f"warm-up of {engine.warmup} iterations instead of "
+                               f"warmup={self.warmup}: DistributedDataParallel needs that many "
+                               "eager iterations before its all-reduces can be captured")
+        if wrapper is not None:
+            self._notes.append("DistributedDataParallel's all-reduces are captured with the "
+                               "step, one per accumulated batch")
+        return engine
 
     def _stop_step_mode(self) -> None:
         self.active = "eager"
@@ -499,6 +572,8 @@ class CUDAGraphs(_Callback):
 
     def _install_modules(self, pl_module: Any) -> None:
         if self._require_cuda and _device_problem(self._trainer):
+            if is_ddp_strategy(self._trainer.strategy):
+                self._fall_back("the module's blocks", _device_problem(self._trainer))
             return
         had_forward = {id(m) for m in pl_module.modules() if "forward" in m.__dict__}
         cls = type(pl_module)

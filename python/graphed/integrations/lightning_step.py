@@ -20,11 +20,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .. import distributed
 from .._C import GraphedError
 from ..train import TrainStep, _fusable, training_iteration
 
 __all__ = ["GraphedTraining", "LogRecorder", "StepEngine", "StepSettings", "TrainingStepModule",
-           "batch_signature", "concat_batches", "describe_signature", "step_conditions"]
+           "batch_signature", "concat_batches", "ddp_problems", "ddp_wrapper",
+           "describe_signature", "is_ddp_strategy", "step_conditions"]
 
 #: Lightning's precision -> graphed's ``amp`` (what the captured step supports).
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -162,17 +164,60 @@ class StepSettings:
     amp: Optional[str] = None
 
 
-def _device_problem(trainer: Any) -> Optional[str]:
+def is_ddp_strategy(strategy: Any) -> bool:
+    """Whether ``strategy`` is Lightning's DDPStrategy (``strategy="ddp"``,
+    ``"ddp_spawn"``, ...; not its subclasses such as DeepSpeed's)."""
+    return type(strategy).__name__ == "DDPStrategy" and hasattr(strategy, "_setup_model")
+
+
+def _device_problem(trainer: Any, *, ddp: bool = False) -> Optional[str]:
+    """Why the Trainer's devices rule graphed out; ``ddp``: the step mode,
+    which captures DDPStrategy's all-reduces (Note [DDP in Lightning's
+    captured step])."""
     strategy = trainer.strategy
     device = getattr(strategy, "root_device", None)
     if device is None or device.type != "cuda":
         return (f"training runs on {device} and CUDA graphs need a CUDA device; use "
                 "Trainer(accelerator='gpu')")
+    if is_ddp_strategy(strategy):
+        if ddp:
+            return None
+        return ("the strategy is DDPStrategy and mode='modules' (graphed.auto) supports one "
+                "device (SingleDeviceStrategy): its graphed backward does not hand DDP's "
+                "gradient hooks what they all-reduce. Use CUDAGraphs(mode='step'), which "
+                "captures DDP's all-reduces with the step")
     if type(strategy).__name__ != "SingleDeviceStrategy":
         return (f"the strategy is {type(strategy).__name__}; CUDAGraphs supports one device "
-                "(SingleDeviceStrategy). For DDP use graphed.TrainStep with "
-                "graphed.distributed.prepare_ddp")
+                "(SingleDeviceStrategy) and DDP (strategy='ddp', mode='step'). Use one of "
+                "those, or graphed.TrainStep with graphed.distributed.prepare_ddp")
     return None
+
+
+def ddp_wrapper(trainer: Any) -> Optional[nn.Module]:
+    """The DistributedDataParallel DDPStrategy wrapped the module in, or None
+    (another strategy)."""
+    strategy = trainer.strategy
+    if not is_ddp_strategy(strategy):
+        return None
+    found = distributed.find_ddp([strategy.model]) if isinstance(strategy.model, nn.Module) \
+        else []
+    return found[0] if found else None
+
+
+def ddp_problems(trainer: Any) -> List[str]:
+    """What stops the step mode from capturing DDPStrategy's all-reduces
+    (empty for another strategy): each problem of
+    :func:`graphed.distributed.framework_ddp_problems`, with its fix."""
+    strategy = trainer.strategy
+    if not is_ddp_strategy(strategy):
+        return []
+    wrapper = ddp_wrapper(trainer)
+    if wrapper is None:
+        return [f"the strategy is DDPStrategy but its model is a "
+                f"{type(strategy.model).__name__}, not a DistributedDataParallel; CUDAGraphs "
+                "captures DDPStrategy's model as Lightning wraps it for fitting"]
+    return [distributed.describe_problem(p).rstrip(".")
+            for p in distributed.framework_ddp_problems(wrapper)]
 
 
 def step_conditions(trainer: Any, pl_module: Any, callback: Any = None, *,
@@ -183,9 +228,10 @@ def step_conditions(trainer: Any, pl_module: Any, callback: Any = None, *,
     (``on_fit_start``); changes nothing."""
     reasons: List[str] = []
     if require_cuda:
-        problem = _device_problem(trainer)
+        problem = _device_problem(trainer, ddp=True)
         if problem:
             reasons.append(problem)
+    reasons.extend(ddp_problems(trainer))
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     auto_loop = getattr(loop, "automatic_optimization", None)
     if auto_loop is None or not hasattr(getattr(auto_loop, "optim_progress", None), "optimizer"):
@@ -416,12 +462,17 @@ class TrainingStepModule(nn.Module):
     """``pl_module.training_step`` as a model for graphed's training iteration:
     ``forward(batch)`` returns the loss of one microbatch, with ``self.log``
     recorded (Note [Logging from a graph]). ``extra_args`` follow the batch
-    (``batch_idx``, which the step does not read)."""
+    (``batch_idx``, which the step does not read). With ``wrapper`` (the
+    DistributedDataParallel around ``pl_module``) training_step is called
+    through the wrapper's forward, as Lightning's strategy calls it, so that
+    DDP prepares its all-reduces (Note [DDP in Lightning's captured step])."""
 
     def __init__(self, pl_module: nn.Module, recorder: LogRecorder,
-                 extra_args: Tuple[Any, ...] = ()) -> None:
+                 extra_args: Tuple[Any, ...] = (), wrapper: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.pl_module = pl_module
+        # A submodule: the TrainStep finds the DDP among its modules.
+        self.wrapper = wrapper
         # Not a submodule attribute lookup: the recorder holds buffers only.
         object.__setattr__(self, "recorder", recorder)
         object.__setattr__(self, "extra_args", tuple(extra_args))
@@ -437,7 +488,7 @@ class TrainingStepModule(nn.Module):
         module._current_fx_name = "training_step"
         try:
             with _Recording(module, recorder):
-                output = module.training_step(batch, *self.extra_args)
+                output = self._training_step(batch)
         finally:
             module._current_fx_name = previous
         if isinstance(output, Mapping):
@@ -451,6 +502,24 @@ class TrainingStepModule(nn.Module):
                 "a tensor with one element, or a dict with 'loss'. A step that returns None "
                 "(skipping the batch) cannot be captured; use mode='modules'.")
         return loss
+
+    def _training_step(self, batch: Any) -> Any:
+        module, wrapper = self.pl_module, self.wrapper
+        if wrapper is None:
+            return module.training_step(batch, *self.extra_args)
+        # Lightning's forward redirection: the wrapper's forward calls
+        # module.forward, which runs training_step once and puts forward back.
+        original = module.__dict__.get("forward")
+
+        def redirected(*args: Any, **kwargs: Any) -> Any:
+            _restore_forward(module, original)
+            return module.training_step(*args, **kwargs)
+
+        object.__setattr__(module, "forward", redirected)
+        try:
+            return wrapper(batch, *self.extra_args)
+        finally:
+            _restore_forward(module, original)
 
     def _record_outputs(self, output: Mapping) -> None:
         # Tensors training_step returns besides the loss: the last microbatch's.
@@ -467,6 +536,13 @@ class TrainingStepModule(nn.Module):
                     self.outputs[key] = value
 
 
+def _restore_forward(module: nn.Module, original: Any) -> None:
+    if original is None:
+        module.__dict__.pop("forward", None)
+    else:
+        object.__setattr__(module, "forward", original)
+
+
 # --- the captured step --------------------------------------------------------------
 
 
@@ -479,11 +555,11 @@ class StepEngine:
 
     def __init__(self, pl_module: nn.Module, optimizer: torch.optim.Optimizer,
                  settings: StepSettings, sample_batch: Any,
-                 extra_args: Tuple[Any, ...]) -> None:
+                 extra_args: Tuple[Any, ...], wrapper: Optional[nn.Module] = None) -> None:
         self.optimizer = optimizer
         self.settings = settings
         self.recorder = LogRecorder(settings.microbatches)
-        self.adapter = TrainingStepModule(pl_module, self.recorder, extra_args)
+        self.adapter = TrainingStepModule(pl_module, self.recorder, extra_args, wrapper)
         self.signature = batch_signature(sample_batch)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.grads: List[Optional[torch.Tensor]] = []
@@ -549,8 +625,11 @@ class GraphedTraining(StepEngine):
 
     def __init__(self, pl_module: nn.Module, optimizer: torch.optim.Optimizer,
                  settings: StepSettings, sample_batch: Any, extra_args: Tuple[Any, ...],
-                 warmup: int) -> None:
-        super().__init__(pl_module, optimizer, settings, sample_batch, extra_args)
+                 warmup: int, wrapper: Optional[nn.Module] = None) -> None:
+        super().__init__(pl_module, optimizer, settings, sample_batch, extra_args, wrapper)
+        # Under DDP: at least COLLECTIVE_WARMUP_ITERS (Note [DDP built by a
+        # framework] in python/graphed/distributed.py).
+        self.warmup = distributed.collective_warmup([self.adapter], warmup)
         device = self.params[0].device
         for group in optimizer.param_groups:
             # A checkpoint can bring lr back as a CPU tensor; make_capturable
@@ -561,7 +640,7 @@ class GraphedTraining(StepEngine):
             self.adapter, optimizer, None, (sample_batch,), microbatches=settings.microbatches,
             clip_grad_norm=settings.clip_grad_norm, amp=settings.amp)
         self.adapter.calls = 0
-        self.step_graph = TrainStep(self.iteration, (sample_batch,), warmup=warmup,
+        self.step_graph = TrainStep(self.iteration, (sample_batch,), warmup=self.warmup,
                                     modules=[self.adapter], optimizers=[optimizer],
                                     state=guard.state(), guard=guard)
         self.captured()

@@ -43,11 +43,12 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         "graphed.integrations.transformers needs the transformers package "
         f"(pip install transformers): {error}") from error
 
-from .transformers_step import (CAPTURABLE_OPTIMS, FALLBACKS, GraphedTrainerReport, MODES,
-                                _GraphedState, _ITEMS_KEY, _TrainerLoss, _check_choice,
+from .. import distributed
+from .transformers_step import (CAPTURABLE_OPTIMS, DDP_TYPES, FALLBACKS, GraphedTrainerReport,
+                                MODES, _GraphedState, _ITEMS_KEY, _TrainerLoss, _check_choice,
                                 _forward_takes, _inner_optimizer, _plain_value, batch_signature,
-                                choose_mode, describe_signature, merge_microbatches, step_blockers,
-                                training_blockers)
+                                choose_mode, describe_signature, merge_microbatches,
+                                modules_blockers, step_blockers, training_blockers)
 
 #: What this module takes from transformers_step without using it itself: it
 #: stays importable from here, as before those parts had a file of their own.
@@ -105,6 +106,39 @@ _SHAPE_HINT = ("A graph replays fixed shapes; the last partial batch of an epoch
 # micro-batch's.
 
 
+# Note [DDP in the Trainer's captured step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under torchrun (any number of processes, one included) accelerate's
+# distributed type is MULTI_GPU and prepare_model wraps the model in
+# DistributedDataParallel; training_step then gets that wrapper, and the
+# captured step calls compute_loss on it, so DDP's forward prepares the
+# reducer and its gradient hooks all-reduce inside the graph, as for a
+# TrainStep over graphed.distributed.prepare_ddp's model (Note [DDP built by a
+# framework] in python/graphed/distributed.py). The integration adds:
+#  - train() runs accelerate's prepare_model on graphed's capture stream
+#    (distributed.on_capture_stream, an instance attribute on the
+#    accelerator for the duration of train()), where DDP must create its
+#    gradient accumulators; a model wrapped before (by an earlier train()
+#    without graphed) is refused by the core at capture and the Trainer
+#    falls back to eager with that reason.
+#  - mode="step" refuses ddp_find_unused_parameters left unset (the Trainer
+#    then passes True) or True without ddp_static_graph, and mode="modules"
+#    refuses DDP (step_blockers, modules_blockers); at capture the DDP the
+#    Trainer built is checked (distributed.framework_ddp_problems: NCCL
+#    backend and environment, communication hooks, no_sync, device), each
+#    problem a counted fallback to eager with its fix.
+#  - the warm-up is at least distributed.COLLECTIVE_WARMUP_ITERS (a note says
+#    so when graphed_warmup was lower).
+# The Trainer's loop runs the non-final micro-batches under
+# accelerator.no_sync; graphed's training_step only stashes them there, and
+# the replay all-reduces every micro-batch (point 4 of that Note). The
+# Trainer's num_items_in_batch is gathered across ranks by its own loop,
+# before training_step, and reaches the graph as a device tensor; the loss
+# scaling compute_loss applies for average_tokens_across_devices runs inside
+# the captured compute_loss. Evaluation uses the unwrapped model (the Trainer
+# does not wrap it for evaluation), so its graphs hold no collectives.
+
+
 class _EvalStep(nn.Module):
     """The Trainer's prediction_step on one batch, as graphed.capture records it."""
 
@@ -139,14 +173,14 @@ class _GraphedTrainerMixin:
 
     def graphed_blockers(self) -> Dict[str, List[str]]:
         """The reasons graphed cannot run in each mode now: ``{"training": [...],
-        "step": [...]}`` (empty lists when nothing blocks)."""
+        "step": [...], "modules": [...]}`` (empty lists when nothing blocks)."""
         return trainer_blockers(self)
 
     def _graphed_decide(self) -> str:
         state = self._graphed
         blockers = trainer_blockers(self)
         active, reasons = choose_mode(state.mode, state.fallback, blockers["training"],
-                                      blockers["step"])
+                                      blockers["step"], blockers["modules"])
         state.active = active
         state.report.mode = active
         for reason in reasons:
@@ -177,9 +211,12 @@ class _GraphedTrainerMixin:
             # Note [The Trainer's loop around a captured step]: filtered on the device.
             state.saved_nan_filter = True
             self.args.logging_nan_inf_filter = False
+        unpatch = self._graphed_patch_prepare() if active == "step" else None
         try:
             return super().train(*args, **kwargs)
         finally:
+            if unpatch is not None:
+                unpatch()
             if state.saved_nan_filter is not None:
                 self.args.logging_nan_inf_filter = state.saved_nan_filter
                 state.saved_nan_filter = None
@@ -225,6 +262,37 @@ class _GraphedTrainerMixin:
         state.grad_norm = norm.clone() if isinstance(norm, torch.Tensor) else None
         state.report.graphed_steps += 1
         return self._graphed_filter(loss.reshape(()))
+
+    def _graphed_patch_prepare(self) -> Optional[Any]:
+        """Under DDP, makes accelerate build the DistributedDataParallel on
+        graphed's capture stream for this train() (Note [DDP in the Trainer's
+        captured step]); returns the function that undoes it, or None."""
+        accelerator = getattr(self, "accelerator", None)
+        kind = str(_plain_value(getattr(getattr(accelerator, "state", None),
+                                        "distributed_type", "NO"))).upper()
+        if accelerator is None or kind not in DDP_TYPES or not torch.cuda.is_available():
+            return None
+        had_instance = "prepare_model" in vars(accelerator)
+        previous = vars(accelerator).get("prepare_model")
+        original = accelerator.prepare_model
+        device = self.args.device
+
+        def prepare_model(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            from .. import fp8
+
+            fp8.keep_state_out_of_ddp(model)
+            with distributed.on_capture_stream(device):
+                return original(model, *args, **kwargs)
+
+        accelerator.prepare_model = prepare_model
+
+        def unpatch() -> None:
+            if had_instance:
+                accelerator.prepare_model = previous
+            else:
+                vars(accelerator).pop("prepare_model", None)
+
+        return unpatch
 
     def _graphed_lr_kept(self, optimizer: Any) -> bool:
         """Whether each group's learning rate is still the tensor the graph
@@ -325,6 +393,22 @@ class _GraphedTrainerMixin:
                 f"Expected a torch.optim optimizer, found {type(optimizer).__name__}; use "
                 "optim='adamw_torch_fused'.")
         args = self.args
+        ddps = distributed.find_ddp([model])
+        problems = [p for ddp in ddps for p in distributed.framework_ddp_problems(ddp)]
+        if problems:
+            # Note [DDP in the Trainer's captured step]: before anything changes.
+            raise GraphedError(" ".join(distributed.describe_problem(p) for p in problems))
+        warmup = distributed.collective_warmup([model], state.warmup)
+        if warmup != state.warmup:
+            state.report.add_note(
+                f"warm-up of {warmup} iterations instead of graphed_warmup={state.warmup}: "
+                "DistributedDataParallel needs that many eager iterations before its "
+                "all-reduces can be captured")
+        if ddps:
+            state.report.add_note(
+                "DistributedDataParallel's all-reduces are captured with the step, one per "
+                "micro-batch (the Trainer's no_sync on non-final micro-batches does not apply "
+                "to the graph; the gradients agree up to rounding)")
         divides = ((not self.model_accepts_loss_kwargs or num_items_in_batch is None)
                    and self.compute_loss_func is None)
         unwrapped = self.accelerator.unwrap_model(model)
@@ -355,7 +439,7 @@ class _GraphedTrainerMixin:
         model.train()
         state.train_step = TrainStep.from_parts(
             loss_module, optimizer, None, batch, microbatches=microbatches,
-            clip_grad_norm=clip, amp=amp, warmup=state.warmup)
+            clip_grad_norm=clip, amp=amp, warmup=warmup)
         state.report.train_step = state.train_step
         if amp == "fp16":
             state.report.add_note(
@@ -526,7 +610,8 @@ class _GraphedTrainerMixin:
 
 def trainer_blockers(trainer: "Trainer") -> Dict[str, List[str]]:
     """The reasons graphed cannot run ``trainer`` now: ``{"training": [...]}``
-    for any mode, ``{"step": [...]}`` for mode="step" in addition."""
+    for any mode, ``{"step": [...]}`` for mode="step" and ``{"modules":
+    [...]}`` for mode="modules" in addition."""
     args = trainer.args
     accelerator = getattr(trainer, "accelerator", None)
     state = getattr(accelerator, "state", None)
@@ -541,14 +626,17 @@ def trainer_blockers(trainer: "Trainer") -> Dict[str, List[str]]:
         fsdp=bool(getattr(trainer, "is_fsdp_enabled", False)),
         torch_compile=bool(args.torch_compile), parallelism=parallel)
     owner = _override_owner(type(trainer), "training_step")
+    ddp = str(_plain_value(getattr(state, "distributed_type", "NO"))).upper() in DDP_TYPES
     step = step_blockers(
         optim=args.optim,
         custom_optimizer=trainer.optimizer is not None
         or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None,
         gradient_checkpointing=bool(args.gradient_checkpointing), fp16=bool(args.fp16),
         half_precision_backend=str(_plain_value(getattr(args, "half_precision_backend", "auto"))),
-        training_step_owner=owner)
-    return {"training": training, "step": step}
+        training_step_owner=owner, ddp=ddp,
+        ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
+        ddp_static_graph=getattr(args, "ddp_static_graph", None))
+    return {"training": training, "step": step, "modules": modules_blockers(ddp=ddp)}
 
 
 def _override_owner(cls: type, name: str) -> Optional[str]:
@@ -570,7 +658,7 @@ def _setup(trainer: "Trainer", mode: str, fallback: str, eval_graphs: bool, warm
     if fallback == "raise":
         # Refuse what can never work right away, not at train().
         blockers = trainer_blockers(trainer)
-        choose_mode(mode, fallback, blockers["training"], blockers["step"])
+        choose_mode(mode, fallback, blockers["training"], blockers["step"], blockers["modules"])
 
 
 class GraphedTrainer(_GraphedTrainerMixin, Trainer):
@@ -588,7 +676,8 @@ class GraphedTrainer(_GraphedTrainerMixin, Trainer):
             :func:`graphed.auto` graphs the model's repeated blocks and the
             Trainer runs as usual.
         graphed_fallback: what happens where graphed cannot apply (no GPU,
-            DeepSpeed, FSDP, several GPUs, ``torch_compile=True``, an
+            DeepSpeed, FSDP, DataParallel over several GPUs, DDP settings a
+            graph cannot capture, ``torch_compile=True``, an
             optimizer that cannot be captured, a failed capture): ``"eager"``
             runs the plain Trainer, ``"modules"`` tries mode="modules",
             ``"raise"`` raises :class:`graphed.GraphedError`. Optimizer steps
@@ -652,5 +741,5 @@ def optimize_trainer(trainer: "Trainer", mode: str = "step", *, fallback: str = 
 
 
 __all__ = ["CAPTURABLE_OPTIMS", "GraphedTrainer", "GraphedTrainerReport", "batch_signature",
-           "choose_mode", "merge_microbatches", "optimize_trainer", "step_blockers",
-           "trainer_blockers", "training_blockers"]
+           "choose_mode", "merge_microbatches", "modules_blockers", "optimize_trainer",
+           "step_blockers", "trainer_blockers", "training_blockers"]

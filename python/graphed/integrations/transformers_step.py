@@ -24,8 +24,9 @@ from .._C import GraphedError
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from transformers import Trainer
 
-__all__ = ["CAPTURABLE_OPTIMS", "GraphedTrainerReport", "batch_signature", "choose_mode",
-           "describe_signature", "merge_microbatches", "step_blockers", "training_blockers"]
+__all__ = ["CAPTURABLE_OPTIMS", "DDP_TYPES", "GraphedTrainerReport", "batch_signature",
+           "choose_mode", "describe_signature", "merge_microbatches", "modules_blockers",
+           "step_blockers", "training_blockers"]
 
 # The logger of graphed.integrations.transformers: the report logs its fallbacks there.
 logger = logging.getLogger("graphed.integrations.transformers")
@@ -36,6 +37,10 @@ FALLBACKS = ("eager", "modules", "raise")
 #: ``TrainingArguments.optim`` values whose optimizer graphed can capture
 #: (graphed.make_capturable): AdamW and SGD run fused, RMSprop capturable.
 CAPTURABLE_OPTIMS = ("adamw_torch_fused", "adamw_torch", "sgd", "rmsprop")
+
+#: accelerate's distributed types whose Trainer wraps the model in
+#: DistributedDataParallel (one process per GPU), which mode="step" captures.
+DDP_TYPES = ("MULTI_GPU",)
 
 # The batch key that carries the Trainer's num_items_in_batch into the
 # captured step (one entry per micro-batch, so that it splits with them).
@@ -74,12 +79,15 @@ def training_blockers(*, device_type: str, n_gpu: int = 1, world_size: int = 1,
             f"Expected one GPU per process, found n_gpu={n_gpu} (the Trainer wraps the model in "
             "DataParallel over every visible GPU), which graphed does not support. Make one GPU "
             "visible (CUDA_VISIBLE_DEVICES=0).")
-    if world_size > 1 or str(_plain_value(distributed_type)).upper() not in ("NO", "NONE"):
+    kind = str(_plain_value(distributed_type)).upper()
+    if kind not in ("NO", "NONE") + DDP_TYPES or (world_size > 1 and kind not in DDP_TYPES):
         reasons.append(
-            f"Multiple GPUs via accelerate are not yet supported by "
-            f"graphed.integrations.transformers: found world_size={world_size}, distributed type "
-            f"{_plain_value(distributed_type)}. Run one process on one GPU, or capture a "
-            "DistributedDataParallel loop with graphed.TrainStep (graphed.distributed).")
+            f"Expected one process on one GPU, or DistributedDataParallel over GPUs (accelerate's "
+            f"MULTI_GPU, as torchrun gives), found world_size={world_size}, distributed type "
+            f"{_plain_value(distributed_type)}, which graphed.integrations.transformers does not "
+            "support. Launch with torchrun (one process per GPU) without DeepSpeed or FSDP, or "
+            "capture your own DistributedDataParallel loop with graphed.TrainStep "
+            "(graphed.distributed).")
     if torch_compile:
         reasons.append(
             "Expected torch_compile=False: the Trainer compiles the model with torch.compile, "
@@ -95,13 +103,32 @@ def training_blockers(*, device_type: str, n_gpu: int = 1, world_size: int = 1,
 def step_blockers(*, optim: Optional[str], custom_optimizer: bool = False,
                   gradient_checkpointing: bool = False, fp16: bool = False,
                   half_precision_backend: str = "auto",
-                  training_step_owner: Optional[str] = None) -> List[str]:
+                  training_step_owner: Optional[str] = None, ddp: bool = False,
+                  ddp_find_unused_parameters: Optional[bool] = None,
+                  ddp_static_graph: Optional[bool] = None) -> List[str]:
     """What keeps mode="step" (one graph per optimizer step) from applying,
     beyond :func:`training_blockers`. ``optim`` is ``TrainingArguments.optim``
     (ignored with ``custom_optimizer``: an optimizer given to the Trainer is
     checked when the step is captured); ``training_step_owner`` names a class
-    that overrides ``Trainer.training_step``."""
+    that overrides ``Trainer.training_step``. With ``ddp`` (the Trainer wraps
+    the model in DistributedDataParallel) ``ddp_find_unused_parameters`` and
+    ``ddp_static_graph`` are the TrainingArguments of those names; the DDP
+    the Trainer built is checked again when the step is captured (Note [DDP in
+    the Trainer's captured step])."""
     reasons = []
+    if ddp:
+        # The Trainer's default (None) is True unless gradient checkpointing is
+        # on, which mode="step" refuses anyway.
+        find_unused = True if ddp_find_unused_parameters is None else ddp_find_unused_parameters
+        if find_unused and not ddp_static_graph:
+            found = ("unset (the Trainer then passes find_unused_parameters=True)"
+                     if ddp_find_unused_parameters is None else "True")
+            reasons.append(
+                f"Expected ddp_find_unused_parameters=False for mode='step' under "
+                f"DistributedDataParallel, found it {found}: DDP then searches the autograd "
+                "graph on the host every iteration, which a replayed graph cannot do. Set "
+                "TrainingArguments(ddp_find_unused_parameters=False) (every parameter must get "
+                "a gradient), or ddp_static_graph=True when the unused parameters never change.")
     optim_name = str(_plain_value(optim)) if optim is not None else None
     if not custom_optimizer and optim_name not in CAPTURABLE_OPTIMS:
         reasons.append(
@@ -127,24 +154,41 @@ def step_blockers(*, optim: Optional[str], custom_optimizer: bool = False,
     return reasons
 
 
+def modules_blockers(*, ddp: bool = False) -> List[str]:
+    """What keeps mode="modules" (graphed.auto under the Trainer's loop) from
+    applying, beyond :func:`training_blockers`."""
+    reasons = []
+    if ddp:
+        reasons.append(
+            "Expected one process without DistributedDataParallel for mode='modules', found "
+            "the Trainer wrapping the model in DDP: graphed.auto's graphed backward does not "
+            "hand DDP's gradient hooks what they all-reduce. Use mode='step', which captures "
+            "DDP's all-reduces with the step.")
+    return reasons
+
+
 def choose_mode(requested: str, fallback: str, training: Sequence[str],
-                step: Sequence[str]) -> Tuple[str, List[str]]:
+                step: Sequence[str], modules: Sequence[str] = ()) -> Tuple[str, List[str]]:
     """The mode a Trainer runs in, and the reasons it is not ``requested``.
 
-    ``training`` and ``step`` are the reasons of :func:`training_blockers`
-    and :func:`step_blockers`. Returns ``("step" | "modules" | "eager",
+    ``training``, ``step`` and ``modules`` are the reasons of
+    :func:`training_blockers`, :func:`step_blockers` and
+    :func:`modules_blockers`. Returns ``("step" | "modules" | "eager",
     reasons)``; raises GraphedError with the reasons when ``fallback`` is
     ``"raise"`` and the requested mode cannot run."""
     _check_choice("mode", requested, MODES)
     _check_choice("fallback", fallback, FALLBACKS)
-    reasons = list(training) + (list(step) if requested == "step" else [])
+    own = list(step) if requested == "step" else list(modules)
+    reasons = list(training) + own
     if not reasons:
         return requested, []
     if fallback == "raise":
         raise GraphedError(f"graphed cannot run the Trainer in mode={requested!r}: "
                            + " ".join(reasons))
     if fallback == "modules" and requested == "step" and not training:
-        return "modules", reasons
+        if not modules:
+            return "modules", reasons
+        return "eager", reasons + list(modules)
     return "eager", reasons
 
 
