@@ -45,15 +45,18 @@ def losses(trainer):
 def test_training_blockers_say_what_was_expected_found_and_the_fix():
     assert hf.training_blockers(device_type="cuda") == []
     reasons = hf.training_blockers(device_type="cpu", n_gpu=2, world_size=2,
-                                   distributed_type="MULTI_GPU", deepspeed=True, fsdp=True,
+                                   distributed_type="MULTI_CPU", deepspeed=True, fsdp=True,
                                    torch_compile=True, parallelism=True)
     text = " ".join(reasons)
     assert len(reasons) == 7
     assert "CUDA GPU, found device 'cpu'" in text
     assert "DeepSpeed is not supported" in text and "FSDP is not supported" in text
     assert "n_gpu=2" in text and "CUDA_VISIBLE_DEVICES" in text
-    assert "Multiple GPUs via accelerate are not yet supported" in text
-    assert "world_size=2" in text and "MULTI_GPU" in text
+    assert "Expected one process on one GPU, or DistributedDataParallel" in text
+    assert "world_size=2" in text and "MULTI_CPU" in text
+    # DDP (accelerate's MULTI_GPU, as torchrun gives) is the step mode's to decide.
+    assert hf.training_blockers(device_type="cuda", world_size=2,
+                                distributed_type="MULTI_GPU") == []
     assert "torch_compile=False" in text
 
 
