@@ -4,7 +4,10 @@ fused AdamW, use_cache=False, no dropout) trained through PyTorch Lightning's
 it (``graphed.integrations.lightning.CUDAGraphs``,
 ``graphed.integrations.transformers.GraphedTrainer``), side by side in one
 process. Rows: ``methods.lightning_eager``, ``lightning_graphed``,
-``hf_trainer_eager``, ``hf_trainer_graphed``, each with ``ms`` per step; graphed
+``hf_trainer_eager``, ``hf_trainer_graphed``, and under DDP at world size 1
+(bench/integrations_ddp.py, a torchrun launch) ``hf_trainer_ddp_eager``,
+``hf_trainer_ddp_graphed``, ``lightning_ddp_eager``, ``lightning_ddp_graphed``
+(with ``world_size``), each with ``ms`` per step; graphed
 rows add ``speedup_vs_framework`` and ``loss_rel_diff_vs_eager`` (the largest
 relative difference of the per-step losses), and what graphed reported (mode,
 fallbacks). A path that fails records ``error``."""
@@ -16,6 +19,7 @@ from typing import Any, Callable, Dict
 
 import torch
 
+import integrations_ddp
 import integrations_hf
 import integrations_lightning
 
@@ -72,6 +76,8 @@ def run(quick: bool = False) -> Dict[str, Any]:
     methods["hf_trainer_eager"] = _attempt(lambda: _hf(False, quick))
     methods["hf_trainer_graphed"] = _attempt(lambda: _hf(True, quick))
     _compare(methods, "hf_trainer_eager", "hf_trainer_graphed")
+    # DDP at world size 1 (issue 25), in a torchrun launch of its own.
+    methods.update(integrations_ddp.ddp_rows(quick=quick, world_size=1))
     return {"model": "HF GPT-2 6 layers d384 (6 heads), 8x128 tokens, fused AdamW, no dropout, "
                      "TF32 on in both paths", "methods": methods}
 

@@ -102,12 +102,13 @@ def training_arguments(output_dir: str, steps: int, **overrides: Any):
 
 
 def hf_trainer_step_ms(graphed: bool, steps: int = 60, quick: bool = False,
-                       warmup: int = 5) -> Dict[str, Any]:
+                       warmup: int = 5, **args_overrides: Any) -> Dict[str, Any]:
     """Trains the benchmark GPT-2 for ``steps`` optimizer steps (``quick``:
     12) with the plain Trainer or GraphedTrainer; returns ``{"path", "ms"``
     (median ms per step after ``warmup`` steps)``, "ms_all", "losses",
     "steps", "mode", "fallbacks", "notes"}`` (mode and fallbacks are graphed's;
-    ``None`` for the plain Trainer)."""
+    ``None`` for the plain Trainer). ``args_overrides`` go to the
+    TrainingArguments (bench/integrations_ddp.py: ddp_find_unused_parameters)."""
     import transformers
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -116,7 +117,7 @@ def hf_trainer_step_ms(graphed: bool, steps: int = 60, quick: bool = False,
         warmup = min(warmup, 3)
     timer = _step_timer()
     with tempfile.TemporaryDirectory() as output_dir:
-        args = training_arguments(output_dir, steps)
+        args = training_arguments(output_dir, steps, **args_overrides)
         common = dict(model=gpt2_model(), args=args, train_dataset=TokenDataset(BATCH * steps),
                       callbacks=[timer])
         if graphed:

@@ -81,7 +81,8 @@ def _timer_callback(warmup: int, window: int) -> Any:
 
 
 def lightning_step_ms(graphed: bool, steps: int = 60, warmup: int = 10, repeats: int = 5,
-                      callback_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                      callback_kwargs: Optional[Dict[str, Any]] = None,
+                      strategy: str = "auto") -> Dict[str, Any]:
     """ms per training step of ``Trainer.fit`` on the GPT-2 workload, eager or
     with ``CUDAGraphs`` (``graphed=True``).
 
@@ -89,7 +90,8 @@ def lightning_step_ms(graphed: bool, steps: int = 60, warmup: int = 10, repeats:
     included) the remaining steps are cut into ``repeats`` windows, timed with a
     CUDA sync at each boundary; the result is the median window's ms/step.
     Returns ``ms_per_step``, ``windows_ms``, ``losses`` (per step, as floats,
-    read after the fit) and, with the callback, its ``report``."""
+    read after the fit) and, with the callback, its ``report``. ``strategy``:
+    Lightning's (``"ddp"`` under torchrun: bench/integrations_ddp.py)."""
     import lightning.pytorch as pl
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -103,7 +105,8 @@ def lightning_step_ms(graphed: bool, steps: int = 60, warmup: int = 10, repeats:
         graphs = CUDAGraphs(**(callback_kwargs or {}))
         callbacks.append(graphs)
     module = gpt2_module()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=warmup + window * repeats,
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy,
+                         max_steps=warmup + window * repeats,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=callbacks)
