@@ -180,7 +180,7 @@ class _GraphedTrainerMixin:
         state = self._graphed
         blockers = trainer_blockers(self)
         active, reasons = choose_mode(state.mode, state.fallback, blockers["training"],
-                                      blockers["step"], blockers["modules"])
+                                      blockers["step"], blockers.get("modules", []))
         state.active = active
         state.report.mode = active
         for reason in reasons:
@@ -658,7 +658,8 @@ def _setup(trainer: "Trainer", mode: str, fallback: str, eval_graphs: bool, warm
     if fallback == "raise":
         # Refuse what can never work right away, not at train().
         blockers = trainer_blockers(trainer)
-        choose_mode(mode, fallback, blockers["training"], blockers["step"], blockers["modules"])
+        choose_mode(mode, fallback, blockers["training"], blockers["step"],
+                    blockers.get("modules", []))
 
 
 class GraphedTrainer(_GraphedTrainerMixin, Trainer):
