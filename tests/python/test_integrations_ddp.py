@@ -8,6 +8,7 @@ test creates and always destroys; captures need NCCL on a GPU
 
 from __future__ import annotations
 
+import os
 import socket
 import types
 
@@ -271,11 +272,17 @@ def test_lightning_step_mode_refuses_gloo_ddp_in_a_fit_on_cpu():
     # refuse its backend; the fit runs eagerly with the reasons.
     callback = CPUGraphs(mode="step")
     t, _ = trainer([callback], max_steps=3, strategy="ddp")
+    # Lightning's DDP launcher sets WORLD_SIZE, RANK, MASTER_PORT ... in the
+    # environment; left there they would make every later Trainer (accelerate
+    # reads them) believe it runs distributed.
+    environment = dict(os.environ)
     try:
         t.fit(MLPModule(), regression_data())
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
     assert t.global_step == 3 and callback.report["active"] == "eager"
     text = " ".join(f["reason"] for f in callback.fallbacks)
     assert "'gloo' backend" in text and "backend='nccl'" in text
