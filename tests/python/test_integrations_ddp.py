@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-import graphed
 from graphed import GraphedError, distributed
 
 pytestmark = [
@@ -197,7 +196,6 @@ def test_trainer_prepares_ddp_on_the_capture_stream_only_under_multi_gpu():
 # --- Lightning ------------------------------------------------------------------
 
 pl = pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install lightning")
-from graphed.integrations import lightning as gl  # noqa: E402
 from graphed.integrations import lightning_step as gls  # noqa: E402
 
 from lightning_models import CPUGraphs, MLPModule, regression_data, trainer  # noqa: E402
