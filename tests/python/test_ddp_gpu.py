@@ -53,10 +53,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(scenario: str, world_size: int, tmp_path: Path) -> List[Dict[str, Any]]:
-    """Runs ``scenario`` on ``world_size`` ranks, one process and GPU each, and
-    returns what every rank reported. Fails the test when a rank does not
-    finish within TIMEOUT_S (a hang, e.g. in teardown) or fails."""
+def run_ranks(scenario: str, world_size: int, tmp_path: Path, worker: Path = WORKER
+              ) -> List[Dict[str, Any]]:
+    """Runs ``scenario`` of ``worker`` (a script taking the scenario and an
+    output path; the FSDP2 and integration tests pass theirs) on
+    ``world_size`` ranks, one process and GPU each, and returns what every
+    rank reported. Fails the test when a rank does not finish within
+    TIMEOUT_S (a hang, e.g. in teardown) or fails."""
     port = free_port()
     processes, outputs, logs = [], [], []
     for rank in range(world_size):
@@ -68,7 +71,7 @@ def run_ranks(scenario: str, world_size: int, tmp_path: Path) -> List[Dict[str, 
         logs.append(tmp_path / f"{scenario}-rank{rank}.log")
         with open(logs[-1], "w") as log:
             processes.append(subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(outputs[-1])], env=env, stdout=log,
+                [sys.executable, str(worker), scenario, str(outputs[-1])], env=env, stdout=log,
                 stderr=subprocess.STDOUT))
 
     def log_tails() -> str:

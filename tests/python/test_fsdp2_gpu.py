@@ -13,18 +13,14 @@ captured NCCL all-gathers and reduce-scatters run at two ranks
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
 
-from graphed import distributed, fsdp
+from graphed import fsdp
+from test_ddp_gpu import WORLD_SIZES, run_ranks as run_worker_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,69 +35,13 @@ pytestmark = [
 ]
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
-TIMEOUT_S = 240
 TOLERANCE = 1e-5
-
-WORLD_SIZES = [
-    1,
-    pytest.param(2, marks=pytest.mark.skipif(
-        torch.cuda.device_count() < 2,
-        reason=f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")),
-]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(scenario: str, world_size: int, tmp_path: Path) -> List[Dict[str, Any]]:
-    """Runs ``scenario`` on ``world_size`` ranks, one process and GPU each, and
-    returns what every rank reported; fails the test on a hang or an error."""
-    port = free_port()
-    processes, outputs, logs = [], [], []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(distributed.NVLINK_MULTICAST_OFF)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-                   RANK=str(rank), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1")
-        outputs.append(tmp_path / f"{scenario}-rank{rank}.json")
-        logs.append(tmp_path / f"{scenario}-rank{rank}.log")
-        with open(logs[-1], "w") as log:
-            processes.append(subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(outputs[-1])], env=env, stdout=log,
-                stderr=subprocess.STDOUT))
-
-    def log_tails() -> str:
-        return "\n".join(f"--- rank {rank} ---\n" + "\n".join(
-            log.read_text(errors="replace").splitlines()[-40:]) for rank, log in enumerate(logs))
-
-    try:
-        for rank, process in enumerate(processes):
-            try:
-                process.wait(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{scenario}: rank {rank} did not finish within {TIMEOUT_S} s "
-                            f"(hung?)\n{log_tails()}")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    results = []
-    for rank, (process, output) in enumerate(zip(processes, outputs)):
-        if not output.exists():
-            pytest.fail(f"{scenario}: rank {rank} exited with {process.returncode} and no "
-                        f"result\n{log_tails()}")
-        result = json.loads(output.read_text())
-        if "error" in result:
-            pytest.fail(f"{scenario}: rank {rank} failed:\n{result['error']}\n{log_tails()}")
-        assert process.returncode == 0, f"rank {rank} exited with {process.returncode}"
-        results.append(result)
-    assert sorted(r["rank"] for r in results) == list(range(world_size))
-    assert len({r["device"] for r in results}) == world_size, "two ranks shared a GPU"
-    return results
+    """``scenario`` of fsdp2_worker.py on ``world_size`` ranks (test_ddp_gpu's
+    launcher): what every rank reported."""
+    return run_worker_ranks(scenario, world_size, tmp_path, WORKER)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -9,12 +9,12 @@ tolerance and the integrations' reports say every step replayed. World size
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from test_ddp_gpu import WORLD_SIZES, run_ranks as _run_ranks
-
-import test_ddp_gpu
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,12 +30,9 @@ pytestmark = [
 REL = 1e-4
 
 
-def run_ranks(scenario, world_size, tmp_path, monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.setattr(test_ddp_gpu, "WORKER",
-                        Path(__file__).with_name("integrations_ddp_worker.py"))
-    return _run_ranks(scenario, world_size, tmp_path)
+def run_ranks(scenario, world_size, tmp_path):
+    return _run_ranks(scenario, world_size, tmp_path,
+                      Path(__file__).with_name("integrations_ddp_worker.py"))
 
 
 def check_runs(result, steps_key, world_size):
@@ -54,8 +51,8 @@ def check_runs(result, steps_key, world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_hf_trainer_ddp_step_mode_equals_eager_ddp(world_size, tmp_path, monkeypatch):
-    for result in run_ranks("hf", world_size, tmp_path, monkeypatch):
+def test_hf_trainer_ddp_step_mode_equals_eager_ddp(world_size, tmp_path):
+    for result in run_ranks("hf", world_size, tmp_path):
         check_runs(result, "graphed_steps", world_size)
         for run in result["runs"]:
             assert run["report"]["mode"] == "step"
@@ -63,8 +60,8 @@ def test_hf_trainer_ddp_step_mode_equals_eager_ddp(world_size, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_lightning_ddp_step_mode_equals_eager_ddp(world_size, tmp_path, monkeypatch):
-    for result in run_ranks("lightning", world_size, tmp_path, monkeypatch):
+def test_lightning_ddp_step_mode_equals_eager_ddp(world_size, tmp_path):
+    for result in run_ranks("lightning", world_size, tmp_path):
         check_runs(result, "graphed_steps", world_size)
         for run in result["runs"]:
             assert run["report"]["active"] == "step"
