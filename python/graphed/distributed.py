@@ -191,12 +191,15 @@ def check_ddp(model: nn.Module) -> List[str]:
     return problems
 
 
-def _raise_problems(problems: List[str]) -> None:
+def raise_problems(problems: Sequence[str],
+                   issuer: str = "DistributedDataParallel's all-reduces") -> None:
+    """Raises GraphedError "Cannot capture <issuer>: ..." listing ``problems``
+    (one sentence each, with its fix); nothing when there are none."""
     if len(problems) == 1:
-        raise GraphedError(f"Cannot capture DistributedDataParallel's all-reduces: {problems[0]}")
+        raise GraphedError(f"Cannot capture {issuer}: {problems[0]}")
     if problems:
         listed = "\n".join(f"  {i + 1}. {p}" for i, p in enumerate(problems))
-        raise GraphedError(f"Cannot capture DistributedDataParallel's all-reduces:\n{listed}")
+        raise GraphedError(f"Cannot capture {issuer}:\n{listed}")
 
 
 def collective_capture(modules: Iterable[nn.Module]) -> Optional[List[torch.Tensor]]:
@@ -210,7 +213,7 @@ def collective_capture(modules: Iterable[nn.Module]) -> Optional[List[torch.Tens
     problems: List[str] = []
     for ddp in ddps:
         problems += check_ddp(ddp)
-    _raise_problems(problems)
+    raise_problems(problems)
     hooked: List[torch.Tensor] = []
     for ddp in ddps:
         # Past iteration 10 DDP times one iteration in every `sample rate` with
@@ -318,7 +321,7 @@ def prepare_ddp(module: nn.Module, *, device: Optional[Any] = None, **ddp_kwargs
             f"found {found}. Move the model first: module.to('cuda:{index}').")
     ddp_kwargs.setdefault("device_ids", [index])
     model = build_ddp(module, index, **ddp_kwargs)
-    _raise_problems(check_ddp(model))
+    raise_problems(check_ddp(model))
     return model
 
 

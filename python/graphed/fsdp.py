@@ -383,12 +383,11 @@ def check_fsdp2(model: nn.Module, *, error_mode: Optional[str] = None) -> List[s
 
 
 def raise_problems(problems: Sequence[str]) -> None:
-    """Raises GraphedError listing ``problems`` (nothing when empty)."""
-    if len(problems) == 1:
-        raise GraphedError(f"Cannot capture {_ISSUER}: {problems[0]}")
-    if problems:
-        listed = "\n".join(f"  {i + 1}. {p}" for i, p in enumerate(problems))
-        raise GraphedError(f"Cannot capture {_ISSUER}:\n{listed}")
+    """Raises GraphedError listing ``problems`` (nothing when empty), worded
+    as graphed.distributed's refusals of DDP."""
+    from . import distributed
+
+    distributed.raise_problems(problems, _ISSUER)
 
 
 def check_step_settings(*, clip_grad_norm: Optional[float], skip_nonfinite: bool,
