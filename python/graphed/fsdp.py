@@ -194,6 +194,16 @@ def find_fsdp2(modules: Iterable[nn.Module]) -> List[nn.Module]:
     return found
 
 
+def param_groups(state: Any) -> List[Any]:
+    """The FSDP2 parameter groups of one fully_shard state: a list in newer torch
+    (2.14: ``_fsdp_param_groups``), at most one in older (2.11: ``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def _states(model: nn.Module) -> List[Any]:
     """The FSDP2 states of ``model``'s fully_shard modules, each once."""
     states: List[Any] = []
@@ -235,7 +245,7 @@ def _root_reshards_after_forward(state: Any) -> bool:
     # post-forward mesh still set; _lazy_init clears it (no reshard).
     if state._is_root is None and state._auto_reshard_after_forward:
         return False
-    return any(g.post_forward_mesh_info is not None for g in state._fsdp_param_groups)
+    return any(g.post_forward_mesh_info is not None for g in param_groups(state))
 
 
 def _process_group(group: Any) -> Optional[Any]:
@@ -255,7 +265,7 @@ def _world_size(group: Any) -> int:
 def world_size(model: nn.Module) -> int:
     """The largest data-parallel world over which ``model``'s FSDP2 groups
     shard or replicate (1: FSDP2 runs no collective)."""
-    return max((_world_size(g) for s in _states(model) for g in s._fsdp_param_groups), default=1)
+    return max((_world_size(g) for s in _states(model) for g in param_groups(s)), default=1)
 
 
 def check_fsdp2(model: nn.Module, *, error_mode: Optional[str] = None) -> List[str]:
@@ -303,7 +313,7 @@ def check_fsdp2(model: nn.Module, *, error_mode: Optional[str] = None) -> List[s
             "for gradient accumulation.")
     devices = set()
     for state in _states(model):
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             name = _group_name(model, group)
             offload = type(getattr(group, "offload_policy", None)).__name__
             if offload == "CPUOffloadPolicy":
@@ -425,7 +435,7 @@ class FSDP2Capture:
 def _drop_unsharded_parameters(states: Sequence[Any]) -> None:
     """Note [FSDP2 inside a captured step], point 4."""
     for state in states:
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             if not group.is_sharded:
                 continue
             for fsdp_param in group.fsdp_params:
@@ -448,7 +458,7 @@ def prepare_capture(modules: Iterable[nn.Module], *,
     # An eager forward without backward (evaluation) leaves parameters
     # unsharded; resharding them is what FSDP2's next backward would do.
     for module in sharded:
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in param_groups(module._get_fsdp_state()):
             if not group.is_sharded and group._all_gather_result is None and \
                     group._training_state.name == "IDLE":
                 group.reshard()
@@ -476,17 +486,19 @@ def reset_after_failure(capture: FSDP2Capture) -> None:
         root_state = root._get_fsdp_state()
         comm = root_state._comm_ctx
         comm.all_gather_state = None
-        if hasattr(comm, "reduce_scatter_states"):
+        if hasattr(comm, "reduce_scatter_states"):  # newer torch (2.14); 2.11 keeps one
             comm.reduce_scatter_states.clear()
             comm._last_post_reduce_events.clear()
-            comm.post_forward_order.clear()
+        else:
+            comm.reduce_scatter_state = None
+        comm.post_forward_order.clear()
         ctx = root_state._state_ctx
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
         for state in ctx.all_states or [root_state]:
             state._modules_to_run_forward.clear()
             state._training_state = type(state._training_state).IDLE
-            for group in state._fsdp_param_groups:
+            for group in param_groups(state):
                 group._all_gather_result = None
                 group._post_reduce_event = None
                 group._all_reduce_state = None

@@ -543,7 +543,7 @@ class TrainStep:
         #: forward between steps left them unsharded (see step()).
         self._fsdp_groups = [] if sharded is None else [
             g for root in sharded.roots for s in root._get_fsdp_state()._state_ctx.all_states
-            for g in s._fsdp_param_groups]
+            for g in fsdp.param_groups(s)]
         try:
             self._core = _C.TrainStep(step_fn, sample_batch, warmup,
                                       None if pool is None else tuple(pool), capture_error_mode,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import graphed
-from graphed import distributed, workloads
+from graphed import distributed, fsdp, workloads
 
 STEPS = 10
 LR = 1e-3
@@ -220,7 +220,7 @@ def scenario_capture_failure() -> Dict[str, Any]:
                      for s in optimizer.state.values() for k, v in s.items()
                      if k in ("exp_avg", "exp_avg_sq", "step"))
     groups = [g for s in model._get_fsdp_state()._state_ctx.all_states
-              for g in s._fsdp_param_groups]
+              for g in fsdp.param_groups(s)]
     fsdp_idle = all(g.is_sharded and g._training_state.name == "IDLE" for g in groups)
     losses = eager_losses(model, optimizer, batches)
     fresh = shard(base)

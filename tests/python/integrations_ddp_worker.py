@@ -101,6 +101,7 @@ def main() -> None:
         result = {"hf": hf, "lightning": lightning}[scenario]()
         result["rank"] = torch.distributed.get_rank()
         result["world_size"] = torch.distributed.get_world_size()
+        result["device"] = torch.cuda.current_device()
         distributed.shutdown()
     except BaseException:  # noqa: BLE001 - reported to the test
         result = {"error": traceback.format_exc()}

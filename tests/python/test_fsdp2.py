@@ -142,7 +142,7 @@ def test_unsharded_parameters_are_refused_and_prepare_reshards_them(mesh):
     model = sharded(mesh)
     with torch.no_grad():
         model(torch.randn(2, 8))  # evaluation: the root keeps its parameters unsharded
-    root_group = model._get_fsdp_state()._fsdp_param_groups[0]
+    root_group = fsdp.param_groups(model._get_fsdp_state())[0]
     assert not root_group.is_sharded
     problems = fsdp.check_fsdp2(model)
     assert problems[0].startswith("`Sequential`'s parameters are unsharded"), problems
@@ -231,7 +231,7 @@ def test_fresh_unsharded_parameters_train_as_before(mesh):
     replaced = []
 
     def drop(i):
-        fsdp_param = model[0]._get_fsdp_state()._fsdp_param_groups[0].fsdp_params[0]
+        fsdp_param = fsdp.param_groups(model[0]._get_fsdp_state())[0].fsdp_params[0]
         replaced.append(fsdp_param._unsharded_param)
         fsdp._drop_unsharded_parameters(states._state_ctx.all_states)
         assert not hasattr(fsdp_param, "_unsharded_param")
@@ -307,11 +307,11 @@ def test_reset_after_failure_leaves_fsdp2_as_after_a_finished_step(mesh):
         model(torch.randn(2, 8)).sum().backward()
     states = model._get_fsdp_state()._state_ctx.all_states
     assert any(g._training_state.name != "IDLE" or not g.is_sharded
-               for s in states for g in s._fsdp_param_groups), "nothing to reset"
+               for s in states for g in fsdp.param_groups(s)), "nothing to reset"
     fsdp.reset_after_failure(fsdp.FSDP2Capture(roots=[model]))
     for state in states:
         assert state._training_state.name == "IDLE"
-        for group in state._fsdp_param_groups:
+        for group in fsdp.param_groups(state):
             assert group.is_sharded and group._training_state.name == "IDLE"
             assert group._all_gather_result is None
     assert all(type(p).__name__ == "DTensor" for p in model.parameters())
