@@ -59,9 +59,18 @@ def lightning() -> Dict[str, Any]:
     from graphed.integrations.lightning import CUDAGraphs
     from lightning_models import GPTModule, StepOutputs, token_data
 
+    class WrapperDuringTraining(pl.Callback):
+        """What wraps the module while it trains: Lightning's teardown unwraps
+        DistributedDataParallel again after fit."""
+        name = None
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            self.name = type(trainer.strategy.model).__name__
+
     def run(graphed: bool, accumulation: int):
         outputs = StepOutputs()
-        callbacks = [outputs]
+        wrapper = WrapperDuringTraining()
+        callbacks = [outputs, wrapper]
         graphs = CUDAGraphs(mode="step", fallback="raise") if graphed else None
         if graphs is not None:
             callbacks.append(graphs)
@@ -76,7 +85,7 @@ def lightning() -> Dict[str, Any]:
         trainer.fit(module, token_data(STEPS * accumulation))
         torch.cuda.synchronize()
         losses = [float(x) for x in outputs.losses]
-        wrapped = type(trainer.strategy.model).__name__
+        wrapped = wrapper.name
         report = None
         if graphs is not None:
             report = {k: v for k, v in graphs.report.items()
