@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <utility>
+#include <vector>
 
 namespace graphed {
 
@@ -223,6 +225,43 @@ TraceSummary summarize(const Trace& trace) {
       trace.launches.empty() ? 0.0 : launch_ns / static_cast<double>(trace.launches.size()) / kNsPerUs;
   s.host_us_per_activity =
       s.activities_per_iter > 0.0 ? s.host_ms_per_iter * 1e3 / s.activities_per_iter : 0.0;
+
+  // Note [Work in graphs and work launched eagerly]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // How much of an iteration's GPU work graphs hold, when graphs hold only
+  // some of it (per-block graphs and the parts of blocks that cannot be
+  // captured, with the rest eager): every launch call but a graph launch
+  // enqueues one activity of its own (cudaLaunchKernel one kernel,
+  // cudaMemcpyAsync one copy, cuLaunchKernel one Triton kernel), and a graph
+  // launch enqueues all of its nodes at once. So the activities beyond the
+  // eager launch calls are the ones graph replays ran. A call made inside
+  // another's span (a driver call the runtime call made, where the profiler
+  // lists both) is the same launch and counts once. Without launch calls in
+  // the trace nothing can be told apart: 0.
+  std::vector<const HostSpan*> launches;
+  launches.reserve(trace.launches.size());
+  for (const HostSpan& launch : trace.launches) {
+    launches.push_back(&launch);
+  }
+  std::sort(launches.begin(), launches.end(),
+            [](const HostSpan* a, const HostSpan* b) { return a->start_ns < b->start_ns; });
+  int64_t graph_launches = 0;
+  int64_t eager_launches = 0;
+  int64_t enclosing_end = std::numeric_limits<int64_t>::min();
+  for (const HostSpan* launch : launches) {
+    const int64_t end = launch->start_ns + launch->duration_ns;
+    if (launch->start_ns >= enclosing_end || end > enclosing_end) {
+      enclosing_end = end;
+      const bool graph = launch->name.find("GraphLaunch") != std::string::npos;
+      graph_launches += graph ? 1 : 0;
+      eager_launches += graph ? 0 : 1;
+    }
+  }
+  s.graph_launches_per_iter = static_cast<double>(graph_launches) / n;
+  if (!launches.empty()) {
+    s.graphed_activities_per_iter =
+        std::max(0.0, activities - static_cast<double>(eager_launches)) / n;
+  }
   return s;
 }
 

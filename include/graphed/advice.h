@@ -105,6 +105,12 @@ struct TraceSummary {
   double launch_call_us = 0.0;
   /// Host time per GPU activity: host_ms_per_iter spread over the activities.
   double host_us_per_activity = 0.0;
+  /// Launch calls per iteration that replay a graph (cudaGraphLaunch).
+  double graph_launches_per_iter = 0.0;
+  /// GPU activities per iteration that graph replays ran rather than launch
+  /// calls of their own; 0 when the trace holds no launch calls (Note [Work
+  /// in graphs and work launched eagerly] in src/advice.cpp).
+  double graphed_activities_per_iter = 0.0;
 };
 
 /// Summarizes `trace`. Throws graphed::Error when it holds no iteration.

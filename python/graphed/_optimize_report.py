@@ -7,8 +7,30 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import _C
 from .advise import Advice, format_advice
 from .train import StepSettings
+
+
+def graphed_work(trace: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    """OptimizeReport.graphed_work from a trace of the applied step (empty
+    without one, or without the launch calls that tell the two apart)."""
+    if not trace or not trace.get("launches"):
+        return {}
+    summary = _C.summarize_trace(trace)
+    total = summary["activities_per_iter"]
+    if not total:
+        return {}
+    in_graphs = summary["graphed_activities_per_iter"]
+    return {"activities_per_step": total, "in_graphs": in_graphs,
+            "launched_eagerly": total - in_graphs, "fraction_in_graphs": in_graphs / total}
+
+
+def describe_graphed_work(work: Dict[str, float]) -> str:
+    """``"21% (340 of 1617 GPU activities per step; ...)"``."""
+    return (f"{100 * work['fraction_in_graphs']:.0f}% ({work['in_graphs']:.0f} of "
+            f"{work['activities_per_step']:.0f} GPU activities per step; the other "
+            f"{work['launched_eagerly']:.0f} are launched one by one from eager code)")
 
 
 @dataclass
@@ -51,6 +73,11 @@ class OptimizeReport:
     #: in its place and those that run eagerly, with why (graphed.auto's
     #: ``stats()["parts"]``, Note [Graphing the parts of a block]).
     parts: Dict[str, Any] = field(default_factory=dict)
+    #: How much of the applied step's GPU work its graphs run, from a trace of
+    #: it (Note [Work in graphs and work launched eagerly] in src/advice.cpp):
+    #: ``activities_per_step`` (kernels, copies, sets), ``in_graphs``,
+    #: ``launched_eagerly``, ``fraction_in_graphs``; empty when not traced.
+    graphed_work: Dict[str, float] = field(default_factory=dict)
     fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
     graphed_trace: Optional[Dict[str, Any]] = field(default=None, repr=False)
 
@@ -91,7 +118,7 @@ class OptimizeReport:
             "verify_steps": self.verify_steps, "step_settings": self.step_settings,
             "scheduler": self.scheduler, "compiled": self.compiled,
             "check_false_findings": self.check_false_findings, "notes": self.notes,
-            "parts": self.parts,
+            "parts": self.parts, "graphed_work": self.graphed_work,
             "advice": self.advice.to_dict() if self.advice is not None else None,
         }
 
@@ -114,6 +141,8 @@ class OptimizeReport:
             rows.append(("graphed, predicted", f"{self.advice.predicted_ms:.3f} ms"))
         if self.compiled:
             rows.append(("compiled candidate", _compiled_row(self.compiled)))
+        if self.graphed_work:
+            rows.append(("GPU work in graphs", describe_graphed_work(self.graphed_work)))
         if self.prediction_error is not None:
             rows.append(("prediction error", f"{100 * self.prediction_error:+.1f}%"))
         if self.max_abs_diff is not None:

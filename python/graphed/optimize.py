@@ -22,7 +22,7 @@ from ._C import GraphedError
 from ._experts import capturable_experts
 from ._compiled import torch_compile_options, worth_compiling
 from ._compiled_candidate import compiled_candidate, compiled_inference_candidate
-from ._optimize_report import OptimizeReport
+from ._optimize_report import OptimizeReport, describe_graphed_work, graphed_work
 from ._schedule import ScheduleRun, check_scheduler
 from ._state import RngSnapshot, Snapshot, describe
 from ._verify import _flatten, _guard_state, _max_diff, _Rejected, _StepSnapshot, _then, _verify_step
@@ -269,9 +269,11 @@ def _choose(advice: Advice, force: bool,
     return strategy
 
 
-def _per_block_note(model: nn.Module, why: str) -> Tuple[str, Dict[str, Any]]:
-    """What per-block graphs graphed and left eager, for report.notes, and
-    auto's ``stats()["parts"]`` for report.parts."""
+def _per_block_note(model: nn.Module, why: str, work: Dict[str, float]
+                    ) -> Tuple[str, Dict[str, Any]]:
+    """What per-block graphs graphed and left eager, and how much of the
+    step's GPU work that puts in graphs, for report.notes; auto's
+    ``stats()["parts"]`` for report.parts."""
     import graphed
 
     stats = graphed.auto_stats(model)
@@ -294,6 +296,8 @@ def _per_block_note(model: nn.Module, why: str) -> Tuple[str, Dict[str, Any]]:
             kind, reason = next(iter(eager_parts.items()))
             text += (f"; eager {', '.join(eager_parts)} (e.g. {kind}: "
                      f"{reason.splitlines()[0][:200]}) and the code between the parts")
+    if work:
+        text += f". Graphs run {describe_graphed_work(work)}"
     return text + f". The whole step could not be captured: {why}", parts
 
 
@@ -554,6 +558,7 @@ def _optimize_inference(model: Any, sample_batch: Any, rtol: float, atol: float,
                 fast = faster or fast
                 _reject_if_slower(report, force)  # the faster of the two beats eager
             report.graphed_trace = _trace_replays(lambda: fast(*args))
+            report.graphed_work = graphed_work(report.graphed_trace)
         report.applied, report.fn = True, fast
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager, outputs "
                          "match")
@@ -659,6 +664,7 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                 captured = _StepSnapshot(model, optimizer, _guard_state(step), False)
             _reject_if_slower(report, force)  # the faster of the two beats eager
         report.graphed_trace = _trace_replays(lambda: step(batch))
+        report.graphed_work = graphed_work(report.graphed_trace)
         captured.restore()
         report.applied, report.fn = True, step
         report.reason = (f"{report.strategy}: {report.speedup:.2f}x faster than eager; "
@@ -666,7 +672,8 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         if report.compiled.get("chosen"):
             report.reason += "; the step runs over torch.compile(model), faster than without"
         if whole_step_blocked is not None:
-            note, report.parts = _per_block_note(step.auto_model, whole_step_blocked)
+            note, report.parts = _per_block_note(step.auto_model, whole_step_blocked,
+                                                 report.graphed_work)
             report.notes.append(note)
             report.reason += f" (the whole step could not be captured: {whole_step_blocked})"
     except Exception as error:  # noqa: BLE001 - every failure is reported, state restored

@@ -99,6 +99,8 @@ py::dict summary_to_python(const TraceSummary& s) {
   out["launches_per_iter"] = s.launches_per_iter;
   out["launch_call_us"] = s.launch_call_us;
   out["host_us_per_activity"] = s.host_us_per_activity;
+  out["graph_launches_per_iter"] = s.graph_launches_per_iter;
+  out["graphed_activities_per_iter"] = s.graphed_activities_per_iter;
   return out;
 }
 

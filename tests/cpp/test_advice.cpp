@@ -96,6 +96,39 @@ TEST(Summarize, AveragesOverIterations) {
   EXPECT_DOUBLE_EQ(s.gap_p50_us, 7.0);
 }
 
+TEST(Summarize, TellsWorkInGraphsFromWorkLaunchedEagerly) {
+  // Two iterations, each: one graph replay of 6 kernels, then 3 kernels
+  // launched eagerly, one of them a runtime call whose driver call the
+  // profiler lists inside it.
+  Trace trace;
+  for (int i = 0; i < 2; ++i) {
+    const int64_t t = i * 1000 * kUs;
+    trace.iterations.push_back(HostSpan{"it", t, 500 * kUs});
+    trace.launches.push_back(HostSpan{"cudaGraphLaunch", t + 1 * kUs, 5 * kUs});
+    for (int k = 0; k < 6; ++k) {
+      trace.gpu.push_back(GpuActivity{"g", ActivityKind::kKernel, t + (10 + 10 * k) * kUs, kUs});
+    }
+    for (int k = 0; k < 3; ++k) {
+      const int64_t at = t + (100 + 20 * k) * kUs;
+      trace.launches.push_back(HostSpan{"cudaLaunchKernel", at, 8 * kUs});
+      trace.gpu.push_back(GpuActivity{"e", ActivityKind::kKernel, at + 10 * kUs, kUs});
+    }
+    trace.launches.push_back(HostSpan{"cuLaunchKernel", t + 102 * kUs, 4 * kUs});
+  }
+  const TraceSummary s = summarize(trace);
+  EXPECT_DOUBLE_EQ(s.activities_per_iter, 9.0);
+  EXPECT_DOUBLE_EQ(s.graph_launches_per_iter, 1.0);
+  EXPECT_DOUBLE_EQ(s.graphed_activities_per_iter, 6.0);
+}
+
+TEST(Summarize, WithoutLaunchCallsNoWorkCountsAsGraphed) {
+  Trace trace = evenly_spaced(2, 5, 3, 2);
+  EXPECT_DOUBLE_EQ(summarize(trace).graphed_activities_per_iter, 0.0);  // all eager
+  trace.launches.clear();
+  EXPECT_DOUBLE_EQ(summarize(trace).graphed_activities_per_iter, 0.0);  // unknown
+  EXPECT_DOUBLE_EQ(summarize(trace).graph_launches_per_iter, 0.0);
+}
+
 TEST(Summarize, RejectsTracesWithoutIterations) {
   EXPECT_THROW_WITH(summarize(Trace{}), Error, "at least one iteration");
 }

@@ -176,3 +176,33 @@ def test_advise_without_gpu_says_so():
         pytest.skip("checks the message on machines without a GPU")
     with pytest.raises(graphed.GraphedError, match="graphed.check works without a GPU"):
         graphed.advise(lambda x: x + 1, torch.ones(3))
+
+
+def test_work_in_graphs_is_told_from_work_launched_eagerly():
+    """Note [Work in graphs and work launched eagerly]: a replay of 200 kernels
+    and 40 kernels launched eagerly, per iteration; an all-eager trace has
+    nothing in graphs."""
+    from graphed._optimize_report import OptimizeReport, describe_graphed_work, graphed_work
+
+    eager = load("launch_bound")
+    assert _C.summarize_trace(eager)["graphed_activities_per_iter"] == 0
+    assert graphed_work(eager)["fraction_in_graphs"] == 0
+    trace = {"gpu": [], "launches": [], "iterations": []}
+    for i in range(2):
+        t = i * 10**6
+        trace["iterations"].append(("it", t, 900_000))
+        trace["launches"].append(("cudaGraphLaunch", t, 9_000))
+        trace["gpu"] += [(f"g{k}", "kernel", t + 10_000 + 2_000 * k, 1_000) for k in range(200)]
+        for k in range(40):
+            at = t + 500_000 + 5_000 * k
+            trace["launches"].append(("cudaLaunchKernel", at, 3_000))
+            trace["gpu"].append(("e", "kernel", at + 4_000, 1_000))
+    work = graphed_work(trace)
+    assert work == {"activities_per_step": 240, "in_graphs": 200, "launched_eagerly": 40,
+                    "fraction_in_graphs": 200 / 240}
+    assert describe_graphed_work(work).startswith("83% (200 of 240 GPU activities per step")
+    assert graphed_work(None) == {} and graphed_work({**trace, "launches": []}) == {}
+    report = OptimizeReport("m", training=True, applied=True, strategy="per_block",
+                            graphed_work=work)
+    assert "| GPU work in graphs | 83% (200 of 240" in str(report)
+    assert report.to_dict()["graphed_work"] == work

@@ -131,6 +131,11 @@ def test_optimize_reports_the_parts_it_graphed_in_hand_written_moe_blocks():
     assert "blocks.0.attn" in report.parts["blocks.0"]["graphed"], report.parts
     assert any("blocks.*.attn" in note for note in report.notes), report.notes
     assert "parts" in report.to_dict()
+    # Note [Work in graphs and work launched eagerly]: the attention graphs
+    # hold some of the step's GPU work, the experts' loop launches the rest.
+    work = report.graphed_work
+    assert 0 < work["in_graphs"] < work["activities_per_step"], work
+    assert any("GPU activities per step" in note for note in report.notes), report.notes
 
 
 def test_graphed_experts_match_transformers_grouped_mm_in_fp32():
