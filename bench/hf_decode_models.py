@@ -41,6 +41,13 @@ or the next row. Row ``models.<model>.b<batch>``:
   ``new_tokens_equal_fraction`` where they differ; ``hf_static_cache_layers``:
   the layer kinds of transformers' static cache; ``hf_static_equals_dynamic``:
   transformers' two caches agree with each other;
+- ``prefill_call_ms``: the same call with one new token (the prefill, its
+  token and the call's own work); ``decode_ms_per_token``: the marginal time
+  of one more token, ``(new_tokens * ms_per_token - prefill_call_ms) /
+  (new_tokens - 1)``, the decode step alone as ``kernel_floor_ms`` is
+  (``ms_per_token`` spreads the prefill over the tokens, which counts where
+  the prefill runs many kernels, as the state-space models' chunked scans
+  do); ``decode_ratio_to_floor``;
 - ``ratio_to_floor``, ``speedup_vs_hf_dynamic``; ``graph_notes`` (the
   decoder's notes: sliding windows held whole, state-space layers, experts
   switched to graphed's grouped GEMM); ``capture_s``, ``graph_mb``, ``kernels``
@@ -287,6 +294,13 @@ def run_row(name: str, batch: int, size: Size, new_tokens: int, hf_repeats: int,
         # Timing runs the prefill eagerly until its shape was seen `warmup` (2)
         # times, then captures it: the median is of graphed prefills.
         row["ms_per_token"] = _timed(call, graphed_repeats, new_tokens, device)
+        if new_tokens > 1:
+            one_token = dict(common, max_new_tokens=1)
+            row["prefill_call_ms"] = _timed(
+                lambda: graphed.generate(model, ids, max_cache_len=max_cache_len, **one_token),
+                graphed_repeats, 1, device)
+            row["decode_ms_per_token"] = round(
+                (new_tokens * row["ms_per_token"] - row["prefill_call_ms"]) / (new_tokens - 1), 4)
         last = call()
         report = decoder.memory_report()
         decode = [r for r in report if r["kind"] == "decode" and r["captured"]]
@@ -317,6 +331,9 @@ def run_row(name: str, batch: int, size: Size, new_tokens: int, hf_repeats: int,
     ms, floor_ms, dynamic = (row["ms_per_token"], row["kernel_floor_ms"],
                              row["hf_dynamic_ms_per_token"])
     row["ratio_to_floor"] = round(ms / floor_ms, 3) if ms and floor_ms else None
+    decode_ms = row.get("decode_ms_per_token")
+    row["decode_ratio_to_floor"] = (round(decode_ms / floor_ms, 3)
+                                    if decode_ms and floor_ms else None)
     row["speedup_vs_hf_dynamic"] = round(dynamic / ms, 2) if ms and dynamic else None
     if errors:
         row["errors"] = errors
