@@ -148,6 +148,16 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int,
     # on graphed's grouped GEMM where it switches them): what is left against
     # this is the graphs' own difference, not one GEMM's rounding against
     # another's, which routing to experts amplifies.
+    # Eager against itself, from the same parameters and random state: not
+    # zero where a kernel's result depends on the order of its atomic adds
+    # (scatter and index_add backward over several contributions per row),
+    # which no other run can be held to either.
+    torch.cuda.set_rng_state(rng)
+    model_again, optimizer_again = _fresh(entry, base_state)
+    row["eager_rerun_rel_diff"] = _rel(eager_losses, _losses(
+        _eager_step(model_again, optimizer_again, setup), batch, steps))
+    del model_again, optimizer_again
+
     # How far eager drifts from itself: the same eager step from parameters one
     # ulp away (each moved to the next representable value away from zero).
     # Where routing to experts turns last-bit differences into other experts,
@@ -282,9 +292,9 @@ def markdown(result: Dict[str, Any]) -> List[str]:
     lines = ["### zoo_modern\n",
              "| model | setup | eager ms | TrainStep | optimize | auto | auto fallbacks "
              "| loss rel diff | same kernels | TrainStep vs torch.cuda.graph "
-             "| torch.cuda.graph vs eager | eager vs eager one ulp away "
+             "| torch.cuda.graph vs eager | eager vs eager again | eager vs eager one ulp away "
              "| GPU work in graphs (optimize / auto) |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def in_graphs(work):
         fraction = (work or {}).get("fraction_in_graphs")
@@ -299,7 +309,7 @@ def markdown(result: Dict[str, Any]) -> List[str]:
         for setup, row in record.items():
             if "error" in row:
                 lines.append(f"| {name} | {setup} | FAILED: "
-                             f"{row['error'].strip().splitlines()[-1][:120]} |||||||||")
+                             f"{row['error'].strip().splitlines()[-1][:120]} ||||||||||")
                 continue
             torch_graph = row.get("loss_rel_diffs_torch_graph", {})
             optimize = speed(row, "optimize") if row.get("optimize_applied") else \
@@ -310,6 +320,7 @@ def markdown(result: Dict[str, Any]) -> List[str]:
                          f"| {row.get('loss_rel_diff_same_kernels') or 0:.2e} "
                          f"| {torch_graph.get('trainstep_vs_torch_graph', '-')} "
                          f"| {torch_graph.get('torch_graph_vs_eager_same_kernels', '-')} "
+                         f"| {row.get('eager_rerun_rel_diff', '-')} "
                          f"| {row.get('eager_one_ulp_rel_diff', '-')} "
                          f"| {in_graphs(row.get('optimize_graphed_work'))} / "
                          f"{in_graphs(row.get('auto_graphed_work'))} |")
