@@ -4,6 +4,8 @@ them (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3: ``experts_implementation``
 left to transformers, which picks ``grouped_mm`` on CUDA), a hand-written
 mixture-of-experts block with the classic ``nonzero``/``where`` dispatch and
 a Python loop over the experts that were hit (what most research code does),
+the same block dispatched at fixed sizes through graphed.moe.grouped_mm
+(the rewrite graphed's advice names),
 Mamba2 (transformers' torch path, no mamba-ssm kernels) and a hybrid of
 Mamba2, attention and experts (granite-moe-hybrid).
 
@@ -37,7 +39,8 @@ def _causal_lm(name: str, model: nn.Module, vocab: int, batch: int, length: int,
                description: str) -> ZooModel:
     ids = _tokens(_generator(), batch, length, vocab)
     return ZooModel(
-        name, "transformers" if name != "handwritten_moe" else "bench", model, _adamw, None,
+        name, "bench" if name.startswith("handwritten_moe") else "transformers", model, _adamw,
+        None,
         {"input_ids": ids, "labels": ids},
         lambda b: ((), {"input_ids": _tokens(_generator(b), b, length, vocab),
                         "use_cache": False}),
@@ -139,6 +142,44 @@ class HandwrittenMoE(nn.Module):
         return out.reshape(shape)
 
 
+class SortedDispatchMoE(HandwrittenMoE):
+    """HandwrittenMoE's parameters and routing, dispatched at fixed sizes: the
+    (token, choice) rows sorted by expert, each expert's rows one group of
+    ``graphed.moe.grouped_mm`` over the experts' stacked weights, the outputs
+    weighted and added back with ``index_add_``. Every size is the number of
+    tokens times top-k, whatever the routing, so the block captures whole:
+    the rewrite graphed's advice points a hand-written loop over experts to
+    (docs/guide.md, section 8). Same parameters, so a HandwrittenMoE's
+    state_dict loads unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from graphed.moe import grouped_mm
+
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        experts = len(self.experts)
+        weights, chosen = torch.topk(F.softmax(self.router(tokens), dim=-1), self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(tokens.dtype)
+        flat = chosen.reshape(-1)  # expert of each (token, choice) row
+        order = torch.argsort(flat, stable=True)
+        expert_of_row = flat[order]
+        # One-hot counts, not bincount: bincount sizes its output by reading
+        # the largest id on the host.
+        offsets = F.one_hot(flat, experts).sum(0).cumsum(0).to(torch.int32)
+        first, second = zip(*((e[0], e[2]) for e in self.experts))
+        w1 = torch.stack([m.weight for m in first]).transpose(-2, -1)  # (E, d, 2d)
+        w2 = torch.stack([m.weight for m in second]).transpose(-2, -1)  # (E, 2d, d)
+        b1 = torch.stack([m.bias for m in first])
+        b2 = torch.stack([m.bias for m in second])
+        rows = tokens[order // self.top_k].to(w1.dtype)  # the experts' dtype, as transformers
+        hidden = F.gelu(grouped_mm(rows, w1, offsets) + b1[expert_of_row])
+        out_rows = grouped_mm(hidden.to(w2.dtype), w2, offsets) + b2[expert_of_row]
+        out_rows = out_rows * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(tokens)
+        out.index_add_(0, order // self.top_k, out_rows.to(out.dtype))
+        return out.reshape(shape)
+
+
 class HandwrittenAttention(nn.Module):
     """Causal self-attention as research code writes it (nanoGPT's)."""
 
@@ -157,11 +198,11 @@ class HandwrittenAttention(nn.Module):
 
 
 class HandwrittenBlock(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, moe: type = HandwrittenMoE) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.attn = HandwrittenAttention(width, heads)
-        self.moe = HandwrittenMoE(width)
+        self.moe = moe(width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -172,11 +213,12 @@ class HandwrittenMoELM(nn.Module):
     """A decoder of HandwrittenBlocks, called as transformers' causal LMs are
     (``input_ids``, ``labels``; returns an object with ``.loss`` and ``.logits``)."""
 
-    def __init__(self, layers: int, width: int, vocab: int, length: int) -> None:
+    def __init__(self, layers: int, width: int, vocab: int, length: int,
+                 moe: type = HandwrittenMoE) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(torch.randn(length, width) * 0.02)
-        self.blocks = nn.ModuleList(HandwrittenBlock(width, 8) for _ in range(layers))
+        self.blocks = nn.ModuleList(HandwrittenBlock(width, 8, moe) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
 
@@ -206,6 +248,17 @@ def handwritten_moe(size: str) -> ZooModel:
     return _causal_lm("handwritten_moe", model, vocab, batch, length,
                       f"hand-written MoE decoder {layers} layers d{width}, 8 experts top-2, "
                       f"nonzero/where dispatch and a loop over the experts hit, {batch}x{length}")
+
+
+def handwritten_moe_sorted(size: str) -> ZooModel:
+    """handwritten_moe's model (the same seed, so the same weights) with its
+    experts dispatched at fixed sizes (SortedDispatchMoE)."""
+    layers, width, batch, length, vocab = _sizes(size)
+    torch.manual_seed(0)
+    model = HandwrittenMoELM(layers, width, vocab, length, SortedDispatchMoE).cuda().train()
+    return _causal_lm("handwritten_moe_sorted", model, vocab, batch, length,
+                      f"handwritten_moe with the experts sorted and run through "
+                      f"graphed.moe.grouped_mm at fixed sizes, {batch}x{length}")
 
 
 def mamba2(size: str) -> ZooModel:
@@ -245,7 +298,8 @@ def granite_moe_hybrid(size: str) -> ZooModel:
 
 BUILDERS: Dict[str, Callable[[str], ZooModel]] = {
     "mixtral": mixtral, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3,
-    "handwritten_moe": handwritten_moe, "mamba2": mamba2,
+    "handwritten_moe": handwritten_moe, "handwritten_moe_sorted": handwritten_moe_sorted,
+    "mamba2": mamba2,
     "granite_moe_hybrid": granite_moe_hybrid,
 }
 

@@ -268,7 +268,10 @@ std::string GraphManager::changing_shapes_reason(const Module& module) const {
       "its calls come at different shapes from call to call (data-dependent sizes, such as "
       "the tokens routed to one expert), so each would need a graph of its own; it runs "
       "eagerly as a part of ", module.spec.part_of.empty() ? "its block" : module.spec.part_of,
-      ", whose other parts stay graphed");
+      ", whose other parts stay graphed. Fix, for the experts of a mixture-of-experts layer: "
+      "dispatch at fixed sizes (sort the routed rows by expert and run each expert's rows as "
+      "one group of graphed.moe.grouped_mm over the stacked expert weights; docs/guide.md, "
+      "section 8), and the layer captures whole");
 }
 
 GraphManager::Slot* GraphManager::find_slot(Module& module, CallMode mode, const BucketPlan& plan,
