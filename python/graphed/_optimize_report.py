@@ -15,7 +15,7 @@ from .train import StepSettings
 def graphed_work(trace: Optional[Dict[str, Any]]) -> Dict[str, float]:
     """OptimizeReport.graphed_work from a trace of the applied step (empty
     without one, or without the launch calls that tell the two apart)."""
-    if not trace or not trace.get("launches"):
+    if not trace or not trace.get("launches") or not trace.get("iterations"):
         return {}
     summary = _C.summarize_trace(trace)
     total = summary["activities_per_iter"]
