@@ -14,24 +14,14 @@ fallbacks). A path that fails records ``error``."""
 
 from __future__ import annotations
 
-import traceback
-from typing import Any, Callable, Dict
-
-import torch
+from typing import Any, Dict
 
 import integrations_ddp
 import integrations_hf
 import integrations_lightning
 
 
-def _attempt(body: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
-    try:
-        return body()
-    except Exception as error:  # a failed path is a result
-        return {"error": f"{type(error).__name__}: {error}"[-2000:],
-                "traceback": traceback.format_exc()[-3000:]}
-    finally:
-        torch.cuda.synchronize()
+_attempt = integrations_ddp._attempt  # a failed path is a result, the same way
 
 
 def _lightning(graphed: bool, quick: bool) -> Dict[str, Any]:

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,8 @@ from torch import nn
 
 import graphed
 from graphed import distributed, fsdp, workloads
+
+from ddp_worker import refusal  # the worker scripts share a directory
 
 STEPS = 10
 LR = 1e-3
@@ -151,14 +153,6 @@ def scenario_trainstep() -> Dict[str, Any]:
     shutdown_s = time.monotonic() - started
     return {"runs": runs, "shutdown_s": shutdown_s,
             "released": [step.released for step in steps]}
-
-
-def refusal(make: Callable[[], None]) -> str:
-    try:
-        make()
-    except graphed.GraphedError as error:
-        return str(error)
-    return "no error"
 
 
 def scenario_refusals() -> Dict[str, Any]:
