@@ -51,6 +51,10 @@ def _cell(value: Any, digits: int = 4) -> str:
 
 def _short_note(note: str) -> str:
     """A decoder note (graphed.Decoder.notes) in a few words."""
+    if "fused selective state update" in note:
+        return "fused state-space steps"
+    if "keep transformers' torch reference" in note:
+        return "state-space steps unfused (not float32 on a GPU)"
     if "sliding window" in note:
         return "sliding layers held whole, masked to the window"
     if "recurrent states" in note or "state-space layers" in note:
@@ -62,26 +66,26 @@ def _short_note(note: str) -> str:
 
 def models_markdown(record: Dict[str, Any]) -> List[str]:
     """bench/hf_decode_models.py's rows: per model and batch, graphed's ms per
-    new token, the decode step's kernel floor and the ratio to it, the
-    marginal time of one more token (the decode step alone) and its ratio,
+    new token, the decode step's kernel floor and the ratio to it, the ratio
+    to the kernels of the whole call (prefill included), the marginal time of one more token (the decode step alone) and its ratio,
     transformers' DynamicCache ms per token and graphed's speedup over it, and
     whether the tokens equal transformers' (which cache); failures show their
     error."""
     lines = [f"### hf_decode_models ({record.get('prompt')}-token prompts, "
              f"{record.get('new_tokens')} new tokens, greedy; ms per new token; fp32 with "
              f"TF32 {'on' if record.get('tf32') else 'off'}, qwen3_moe bf16)\n",
-             "| model | batch | graphed | kernel floor | x floor | decode step alone (x floor) "
-             "| HF dynamic | x HF dynamic | same tokens | notes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| model | batch | graphed | kernel floor | x floor | x the call's kernels "
+             "| decode step alone (x floor) | HF dynamic | x HF dynamic | same tokens | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     batches = record.get("batches") or [1, 8]
     for name, model in record.get("models", {}).items():
         if "error" in model and not any(f"b{b}" in model for b in batches):
-            lines.append(f"| {name} | | FAILED: {model['error'][:200]} | | | | | | | |")
+            lines.append(f"| {name} | | FAILED: {model['error'][:200]} | | | | | | | | |")
             continue
         for batch in batches:
             row = model.get(f"b{batch}", {})
             if "error" in row:
-                lines.append(f"| {name} | {batch} | FAILED: {row['error'][:200]} | | | | | | | |")
+                lines.append(f"| {name} | {batch} | FAILED: {row['error'][:200]} | | | | | | | | |")
                 continue
             same = row.get("same_tokens")
             if same is None:
@@ -97,6 +101,7 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
             lines.append(
                 f"| {name} | {batch} | {_cell(row.get('ms_per_token'))} | "
                 f"{_cell(row.get('kernel_floor_ms'))} | {_cell(ratio, 2)} | "
+                f"{_cell(row.get('ratio_to_call_floor'), 2)} | "
                 f"{_cell(row.get('decode_ms_per_token'))} "
                 f"({_cell(row.get('decode_ratio_to_floor'), 2)}) | "
                 f"{_cell(row.get('hf_dynamic_ms_per_token'))} | {_cell(speedup, 2)} | {same} | "

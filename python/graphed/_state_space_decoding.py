@@ -34,6 +34,7 @@ import weakref
 import torch
 
 from . import _C
+from ._state_space_kernels import FusedDecodeKernels
 
 
 def is_state_layer(layer):
@@ -91,8 +92,13 @@ class StateSpaceModel:
                   cache_params=self.cache, use_cache=True, **self.extra)
         self.reset()
         self._compiled_step = None
+        # Note [Fused state-space decode steps]: eager steps (warm-ups, captures)
+        # run graphed's kernels; a compiled step has Inductor's.
+        self.fused = FusedDecodeKernels(model) if compile_options is None else None
         if compile_options is not None:
             self._compiled_step = torch.compile(self._eager_step, **compile_options)
+        else:
+            self.notes.extend(self.fused.notes)
 
     @property
     def model(self):
@@ -131,4 +137,7 @@ class StateSpaceModel:
         from .generate import _call_step
 
         mark_previous_state(self.cache, True)
-        return _call_step(self._compiled_step, self._eager_step, args)
+        if self.fused is None:
+            return _call_step(self._compiled_step, self._eager_step, args)
+        with self.fused.active():
+            return self._eager_step(*args)

@@ -21,6 +21,7 @@ from ._compiled import torch_compile_options
 from ._experts import capturable_experts
 from ._progress import Progress
 from ._state_space_decoding import is_state_layer, mark_previous_state, state_view
+from ._state_space_kernels import FusedDecodeKernels
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class _StaticCacheModel:
         self.extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         self.views = {}
         self._compiled_step = None
+        self.fused = None  # Note [Fused state-space decode steps]: hybrids' Mamba layers
         if compile_options is not None:
             self._compiled_step = torch.compile(self._eager_step, **compile_options)
         _install_prefill_mask_rule()
@@ -251,6 +253,9 @@ class _StaticCacheModel:
                 self.prefill((zeros, None, zeros))
             self.views = {}  # built before the states existed
             self.reset()
+            if compile_options is None:
+                self.fused = FusedDecodeKernels(model)
+                self.notes.extend(self.fused.notes)
             self.notes.append(
                 f"{states} of {len(self.cache.layers)} layers of {type(model).__name__} are "
                 f"state-space layers: their recurrent states are sized for {max_batch} rows "
@@ -310,7 +315,10 @@ class _StaticCacheModel:
 
     def step(self, args):
         mark_previous_state(self.cache, True)
-        return _call_step(self._compiled_step, self._eager_step, args)
+        if self.fused is None:
+            return _call_step(self._compiled_step, self._eager_step, args)
+        with self.fused.active():
+            return self._eager_step(*args)
 
 
 class _FromConfig:

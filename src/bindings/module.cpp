@@ -121,6 +121,7 @@ PYBIND11_MODULE(_C, m) {
   register_serving(m);
   register_fp8(m);
   register_moe(m);
+  register_state_space(m);
 
   m.def("install_source_locator", &install_python_locator, py::arg("library_roots"),
         "Point capture-failure messages at user code: frames under these roots are library code.");

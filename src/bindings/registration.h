@@ -29,5 +29,7 @@ void register_serving(pybind11::module_& m);
 void register_fp8(pybind11::module_& m);
 // graphed.moe: the grouped matrix product of mixture-of-experts layers (moe_bindings.cpp).
 void register_moe(pybind11::module_& m);
+// The fused decode-step kernels of Mamba2-family layers (state_space_bindings.cpp).
+void register_state_space(pybind11::module_& m);
 
 }  // namespace graphed::python

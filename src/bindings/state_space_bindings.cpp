@@ -1,0 +1,72 @@
+// graphed._C: the fused decode-step kernels of Mamba2-family layers
+// (python/graphed/_state_space_kernels.py). Conversion only.
+
+#include "graphed/state_space_ops.h"
+#include "registration.h"
+
+#include <optional>
+
+namespace py = pybind11;
+
+namespace graphed::python {
+namespace {
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) {
+  return t ? *t : at::Tensor();
+}
+
+}  // namespace
+
+void register_state_space(py::module_& m) {
+  m.def(
+      "try_selective_state_update",
+      [](const at::Tensor& state, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+         const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
+         const std::optional<at::Tensor>& dt_bias, bool dt_softplus) -> py::object {
+        const at::Tensor d = or_undefined(D), bias = or_undefined(dt_bias);
+        if (selective_state_update_refusal(state, x, dt, A, B, C, d, bias)) {
+          return py::none();
+        }
+        return py::cast(selective_state_update(state, x, dt, A, B, C, d, bias, dt_softplus));
+      },
+      py::arg("state"), py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"),
+      py::arg("D") = py::none(), py::arg("dt_bias") = py::none(),
+      py::arg("dt_softplus") = false,
+      "transformers' mamba2_selective_state_update (z None) in three kernels, bitwise its "
+      "result; None (nothing run) for arguments the fused kernels do not take.");
+  m.def(
+      "selective_state_update_refusal",
+      [](const at::Tensor& state, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+         const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
+         const std::optional<at::Tensor>& dt_bias) {
+        return selective_state_update_refusal(state, x, dt, A, B, C, or_undefined(D),
+                                              or_undefined(dt_bias));
+      },
+      py::arg("state"), py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"),
+      py::arg("D") = py::none(), py::arg("dt_bias") = py::none(),
+      "Why try_selective_state_update would return None for these arguments, or None.");
+  m.def(
+      "try_causal_conv1d_update",
+      [](const at::Tensor& x, const at::Tensor& conv_state, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias, bool silu) -> py::object {
+        const at::Tensor b = or_undefined(bias);
+        if (causal_conv1d_update_refusal(x, conv_state, weight, b)) {
+          return py::none();
+        }
+        return py::cast(causal_conv1d_update(x, conv_state, weight, b, silu));
+      },
+      py::arg("x"), py::arg("conv_state"), py::arg("weight"), py::arg("bias") = py::none(),
+      py::arg("silu") = false,
+      "transformers' causal_conv1d_update in one kernel, bitwise its result; None (nothing "
+      "run) for arguments the fused kernel does not take.");
+  m.def(
+      "causal_conv1d_update_refusal",
+      [](const at::Tensor& x, const at::Tensor& conv_state, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias) {
+        return causal_conv1d_update_refusal(x, conv_state, weight, or_undefined(bias));
+      },
+      py::arg("x"), py::arg("conv_state"), py::arg("weight"), py::arg("bias") = py::none(),
+      "Why try_causal_conv1d_update would return None for these arguments, or None.");
+}
+
+}  // namespace graphed::python
