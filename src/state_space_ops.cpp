@@ -19,7 +19,12 @@
 // graphed.generate and graphed.Decoder put them in place of transformers'
 // two reference functions while their adapter runs a decode step eagerly
 // (warm-ups, captures, python/graphed/_state_space_kernels.py); a replay
-// runs what the capture recorded. Arguments these kernels do not take
+// runs what the capture recorded. Each fused function's first call outside
+// a capture also runs transformers' function on a copy of the state and
+// compares both results and both states with torch.equal: a difference (a
+// transformers or torch whose reference rounds otherwise) drops the fused
+// kernel for that function, with a note, and a capture before that check
+// records transformers' function. Arguments these kernels do not take
 // (another dtype, a gate z, a package kernel already in place) keep
 // transformers' function: the refusal functions say why, and graphed's
 // notes say which layers were fused.

@@ -38,28 +38,68 @@ def torch_reference(function):
     return None
 
 
-def _fused_selective_state_update(transformers_function):
+def _checked(name, verdicts, on_mismatch, fused, reference, state):
+    """``fused(state)``, whose first run outside a capture is checked against
+    ``reference`` on a copy of ``state`` (Note [Fused state-space decode steps]):
+    equal to the bit, the fused kernel is trusted from then on; otherwise the
+    state gets the reference's values, the reference's result is returned and
+    ``verdicts[name]`` is False. None when the fused kernel does not take the
+    arguments (nothing ran), or when it is unchecked and a capture is running."""
+    if verdicts.get(name) is True:
+        return fused(state)
+    if state.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # unchecked: the capture records transformers' function
+    reference_state = state.clone()
+    out = fused(state)
+    if out is None:
+        return None
+    want = reference(reference_state)
+    if torch.equal(out, want) and torch.equal(state, reference_state):
+        verdicts[name] = True
+        return out
+    verdicts[name] = False
+    difference = max((out.double() - want.double()).abs().max().item() if
+                     out.shape == want.shape else float("inf"),
+                     (state.double() - reference_state.double()).abs().max().item())
+    state.copy_(reference_state)
+    on_mismatch(name, difference)
+    return want
+
+
+def _fused_selective_state_update(transformers_function, verdicts, on_mismatch):
     def mamba2_selective_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
                                       dt_softplus=False, z=None, **kwargs):
-        if z is None:
-            out = _C.try_selective_state_update(state, hidden_states, dt, A, B, C, D, dt_bias,
-                                                dt_softplus)
+        def reference(target):
+            return transformers_function(target, hidden_states, dt, A, B, C, D=D,
+                                         dt_bias=dt_bias, dt_softplus=dt_softplus, z=z, **kwargs)
+
+        def fused(target):
+            return _C.try_selective_state_update(target, hidden_states, dt, A, B, C, D, dt_bias,
+                                                 dt_softplus)
+
+        if z is None and verdicts.get(_SELECTIVE) is not False:
+            out = _checked(_SELECTIVE, verdicts, on_mismatch, fused, reference, state)
             if out is not None:
                 return out
-        return transformers_function(state, hidden_states, dt, A, B, C, D=D, dt_bias=dt_bias,
-                                     dt_softplus=dt_softplus, z=z, **kwargs)
+        return reference(state)
 
     return mamba2_selective_state_update
 
 
-def _fused_conv1d_update(transformers_function):
+def _fused_conv1d_update(transformers_function, verdicts, on_mismatch):
     def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
-        if activation in (None, "silu", "swish"):
-            out = _C.try_causal_conv1d_update(hidden_states, conv_state, weight, bias,
-                                              activation is not None)
+        def reference(target):
+            return transformers_function(hidden_states, target, weight, bias, activation)
+
+        def fused(target):
+            return _C.try_causal_conv1d_update(hidden_states, target, weight, bias,
+                                               activation is not None)
+
+        if activation in (None, "silu", "swish") and verdicts.get(_CONV) is not False:
+            out = _checked(_CONV, verdicts, on_mismatch, fused, reference, conv_state)
             if out is not None:
                 return out
-        return transformers_function(hidden_states, conv_state, weight, bias, activation)
+        return reference(conv_state)
 
     return causal_conv1d_update
 
@@ -70,9 +110,15 @@ _FUSED = {_SELECTIVE: _fused_selective_state_update, _CONV: _fused_conv1d_update
 class FusedDecodeKernels:
     """The modules of `model` whose forward calls transformers' reference
     state update or convolution update, and graphed's kernels for them while
-    active() is entered. `notes` says what was found and whether it applies."""
+    active() is entered, each checked against transformers' function on its
+    first call. `notes` (the list given, else a new one) says what was found,
+    whether it applies, and any kernel whose check failed."""
 
-    def __init__(self, model):
+    def __init__(self, model, notes=None):
+        self.notes = [] if notes is None else notes
+        # Per function name: None unchecked, True equal to transformers' to the
+        # bit on its first call, False not (transformers' function from then on).
+        self.verdicts = {}
         # (id of the forward's globals, function name) -> (those globals, fused function)
         self._swaps = {}
         layers = {}
@@ -85,9 +131,9 @@ class FusedDecodeKernels:
             for name, fuse in _FUSED.items():
                 original = namespace.get(name)
                 if name in names and torch_reference(original) is not None:
-                    self._swaps.setdefault((id(namespace), name), (namespace, fuse(original)))
+                    self._swaps.setdefault((id(namespace), name), (
+                        namespace, fuse(original, self.verdicts, self._mismatch)))
                     layers.setdefault(type(module).__name__, set()).add(id(module))
-        self.notes = []
         if not self._swaps:
             return
         found = ", ".join(f"{len(ids)} {kind}" for kind, ids in sorted(layers.items()))
@@ -106,6 +152,12 @@ class FusedDecodeKernels:
             f"convolution update (3 and 1 kernels) in place of transformers' torch reference "
             f"functions (14 and 4), bitwise their results (Note [Fused state-space decode "
             f"steps])")
+
+    def _mismatch(self, name, difference):
+        self.notes.append(
+            f"graphed's fused {name} differed from transformers' on its first call (largest "
+            f"difference {difference:.3g}), so the decode steps keep transformers' function for "
+            f"it (Note [Fused state-space decode steps])")
 
     @contextlib.contextmanager
     def active(self):

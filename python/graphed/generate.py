@@ -254,8 +254,7 @@ class _StaticCacheModel:
             self.views = {}  # built before the states existed
             self.reset()
             if compile_options is None:
-                self.fused = FusedDecodeKernels(model)
-                self.notes.extend(self.fused.notes)
+                self.fused = FusedDecodeKernels(model, self.notes)
             self.notes.append(
                 f"{states} of {len(self.cache.layers)} layers of {type(model).__name__} are "
                 f"state-space layers: their recurrent states are sized for {max_batch} rows "

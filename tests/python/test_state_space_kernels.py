@@ -2,8 +2,9 @@
 state-space decode steps] in src/state_space_ops.cpp), on any machine: that
 transformers' reference functions are recognised in every Mamba2-family
 model that has them, that a model the kernels cannot take keeps them (and
-says so), that the swap is undone whatever happens inside it, and the
-refusals, which run nothing. The kernels' results: test_state_space_kernels_gpu.py."""
+says so), that the swap is undone whatever happens inside it, the first
+call's check against transformers' function (a kernel that differs is
+dropped, one that agrees is trusted), and the refusals, which run nothing. The kernels' results: test_state_space_kernels_gpu.py."""
 
 import importlib
 
@@ -97,3 +98,62 @@ def test_arguments_the_kernels_do_not_take_are_refused_with_the_reason():
     conv_x, conv_state, weight = torch.zeros(1, 4, 1), torch.zeros(1, 4, 4), torch.zeros(4, 4)
     assert "on a CUDA device" in _C.causal_conv1d_update_refusal(conv_x, conv_state, weight)
     assert _C.try_causal_conv1d_update(conv_x, conv_state, weight, None, True) is None
+
+
+def test_a_fused_kernel_that_differs_from_transformers_is_dropped_at_its_first_call():
+    from graphed import _state_space_kernels as kernels
+
+    verdicts, mismatches = {}, []
+
+    def reference(target):
+        target.add_(1.0)
+        return target.sum(-1)
+
+    def off_by_half(target):
+        target.add_(1.5)
+        return target.sum(-1)
+
+    state = torch.zeros(2, 3)
+    out = kernels._checked("f", verdicts, lambda name, d: mismatches.append((name, d)),
+                           off_by_half, reference, state)
+    assert verdicts == {"f": False} and mismatches == [("f", 1.5)]
+    assert torch.equal(state, torch.ones(2, 3)) and torch.equal(out, torch.full((2,), 3.0))
+
+
+def test_a_fused_kernel_equal_to_transformers_is_checked_once_then_trusted():
+    from graphed import _state_space_kernels as kernels
+
+    verdicts, reference_calls = {}, []
+
+    def reference(target):
+        reference_calls.append(1)
+        target.mul_(2.0)
+        return target.sum(-1)
+
+    def fused(target):
+        target.mul_(2.0)
+        return target.sum(-1)
+
+    state = torch.ones(2, 3)
+    for _ in range(3):
+        kernels._checked("f", verdicts, None, fused, reference, state)
+    assert verdicts == {"f": True} and len(reference_calls) == 1
+    assert torch.equal(state, torch.full((2, 3), 8.0))
+
+
+def test_a_dropped_kernel_leaves_the_calls_to_transformers(monkeypatch):
+    from graphed import _state_space_kernels as kernels
+
+    monkeypatch.setattr(kernels._C, "try_causal_conv1d_update",
+                        lambda *args: pytest.fail("a dropped kernel must not run"))
+    seen = []
+
+    def transformers_function(hidden_states, conv_state, weight, bias, activation):
+        seen.append(activation)
+        return hidden_states
+
+    update = kernels._fused_conv1d_update(transformers_function, {"causal_conv1d_update": False},
+                                          None)
+    x = torch.zeros(1, 4, 1)
+    assert update(x, torch.zeros(1, 4, 4), torch.zeros(4, 4), None, "silu") is x
+    assert seen == ["silu"]
