@@ -17,7 +17,12 @@ The torch.compile path runs in a child process (same model, same seed, same
 prompts): on torch 2.11 with transformers 5.17 its cudagraph tree can kill the
 process with a segmentation fault inside Inductor's kernel launcher, and a dead
 process must not take the other paths' results with it. Its ms are the
-child's; its tokens are compared with the child's own static-cache eager run."""
+child's; its tokens are compared with the child's own static-cache eager run.
+
+HF_DECODE_WITHOUT_COMPILE=1 leaves out both compiled paths (the
+reduce-overhead child and graphed.generate(compile=True)), whose compiles
+take most of the workload's minutes: the eager and graphed rows alone, for a
+quick no-regression run of graphed's own path."""
 
 from __future__ import annotations
 
@@ -90,10 +95,13 @@ def _decode_floor_ms(model, ids, max_cache_len: int) -> float:
 
 # Set in a child process that measures only the torch.compile path, at this batch.
 _COMPILE_BATCH = "HF_DECODE_COMPILE_BATCH"
+# Set (to 1) to leave out the compiled paths (see the module's doc).
+_WITHOUT_COMPILE = "HF_DECODE_WITHOUT_COMPILE"
 
 
 def run(quick: bool = False) -> Dict[str, Any]:
     compile_batch = int(os.environ.get(_COMPILE_BATCH, "0"))
+    without_compile = os.environ.get(_WITHOUT_COMPILE, "") == "1"
     torch.backends.cuda.matmul.allow_tf32 = True
     model = llama()
     batches = (1, 8) if quick else (1, 8, 32)
@@ -104,6 +112,8 @@ def run(quick: bool = False) -> Dict[str, Any]:
                               "prompt": PROMPT, "new_tokens": new_tokens,
                               "kernel_floor_ms": {}, "methods": {}}
     methods = record["methods"]
+    if without_compile:
+        record["without_compile"] = True
     common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     def attempt(name: str, body: Callable[[], Dict[str, Any]]) -> None:
@@ -218,13 +228,14 @@ def run(quick: bool = False) -> Dict[str, Any]:
 
         attempt(f"hf_eager_dynamic_b{batch}", dynamic)
         attempt(f"hf_eager_static_b{batch}", static)
-        if not quick or batch == 1:
+        if (not quick or batch == 1) and not without_compile:
             methods[f"hf_compile_static_b{batch}"] = _compiled_in_own_process(quick, batch)
         attempt(f"graphed_generate_b{batch}", ours)
-        attempt(f"graphed_generate_compiled_b{batch}", ours_compiled)
+        if not without_compile:
+            attempt(f"graphed_generate_compiled_b{batch}", ours_compiled)
         floor = record["kernel_floor_ms"].get(str(batch))
         for path in ("graphed_generate", "graphed_generate_compiled"):
-            row = methods[f"{path}_b{batch}"]
+            row = methods.get(f"{path}_b{batch}", {})
             if floor and row.get("ms"):
                 row["ratio_to_floor"] = round(row["ms"] / floor, 3)
                 dyn = methods[f"hf_eager_dynamic_b{batch}"].get("ms")
