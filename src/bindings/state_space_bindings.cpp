@@ -1,6 +1,7 @@
-// graphed._C: the fused decode-step kernels of Mamba2-family layers
-// (python/graphed/_state_space_kernels.py). Conversion only.
+// graphed._C: the fused decode-step kernels of Mamba2-family layers and their
+// RMSNorms (python/graphed/_state_space_kernels.py). Conversion only.
 
+#include "graphed/rms_norm_ops.h"
 #include "graphed/state_space_ops.h"
 #include "registration.h"
 
@@ -67,6 +68,25 @@ void register_state_space(py::module_& m) {
       },
       py::arg("x"), py::arg("conv_state"), py::arg("weight"), py::arg("bias") = py::none(),
       "Why try_causal_conv1d_update would return None for these arguments, or None.");
+  m.def(
+      "try_rms_norm",
+      [](const at::Tensor& hidden, const std::optional<at::Tensor>& gate,
+         const at::Tensor& weight, double eps) -> py::object {
+        const at::Tensor g = or_undefined(gate);
+        if (rms_norm_refusal(hidden, g, weight)) {
+          return py::none();
+        }
+        return py::cast(rms_norm(hidden, g, weight, eps));
+      },
+      py::arg("hidden"), py::arg("gate"), py::arg("weight"), py::arg("eps"),
+      "transformers' float32 RMSNorm forward (gated when gate is given) in three kernels, "
+      "bitwise its result; None (nothing run) for arguments the fused kernels do not take.");
+  m.def(
+      "rms_norm_refusal",
+      [](const at::Tensor& hidden, const std::optional<at::Tensor>& gate,
+         const at::Tensor& weight) { return rms_norm_refusal(hidden, or_undefined(gate), weight); },
+      py::arg("hidden"), py::arg("gate"), py::arg("weight"),
+      "Why try_rms_norm would return None for these arguments, or None.");
 }
 
 }  // namespace graphed::python

@@ -157,3 +157,64 @@ def test_a_dropped_kernel_leaves_the_calls_to_transformers(monkeypatch):
     x = torch.zeros(1, 4, 1)
     assert update(x, torch.zeros(1, 4, 4), torch.zeros(4, 4), None, "silu") is x
     assert seen == ["silu"]
+
+
+NORMS = [("mamba2", "Mamba2RMSNorm", "rms_norm"), ("mamba2", "MambaRMSNormGated", "rms_norm_gated"),
+         ("llama", "LlamaRMSNorm", "rms_norm"), ("bamba", "BambaRMSNorm", "rms_norm")]
+
+
+@pytest.mark.parametrize("family, name, kind", NORMS)
+def test_transformers_rms_norms_are_recognised_by_what_they_compute(family, name, kind):
+    pytest.importorskip("transformers")
+    from graphed._state_space_kernels import rms_norm_kind
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(module, name)(16)
+    assert rms_norm_kind(norm) == kind
+
+
+def test_rms_norms_that_compute_otherwise_are_not_taken():
+    pytest.importorskip("transformers")
+    from transformers.models.gemma3 import modeling_gemma3
+
+    from graphed._state_space_kernels import rms_norm_kind
+
+    class Scaled(torch.nn.Module):  # the plain body with one more product
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states):
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            return 2 * self.weight * hidden_states.to(input_dtype)
+
+    assert rms_norm_kind(modeling_gemma3.Gemma3RMSNorm(16)) is None  # (1 + weight)
+    assert rms_norm_kind(Scaled()) is None
+    assert rms_norm_kind(torch.nn.LayerNorm(4)) is None
+
+
+def test_the_rms_norm_forwards_are_put_back_after_the_step(monkeypatch):
+    pytest.importorskip("transformers")
+    model = _mamba2()
+    fused = FusedDecodeKernels(model)
+    # As on a GPU in float32: the norms are found, then the step raises.
+    from graphed import _state_space_kernels as kernels
+
+    fused._norms = [(kernels.weakref.ref(m), kernels.rms_norm_kind(m)) for m in model.modules()
+                    if kernels.rms_norm_kind(m)]
+    assert len(fused._norms) == 5  # two gated and two plain in the layers, norm_f
+    with pytest.raises(RuntimeError, match="inside"):
+        with fused.active():
+            assert all("forward" in ref().__dict__ for ref, _ in fused._norms)
+            raise RuntimeError("inside")
+    assert not any("forward" in ref().__dict__ for ref, _ in fused._norms)
+    # On the CPU the fused forward runs the module's own (nothing fused, nothing checked).
+    norm = model.backbone.norm_f
+    x = torch.randn(2, 1, 32)
+    with fused.active():
+        got = norm(x)
+    assert torch.equal(got, type(norm).forward(norm, x)) and fused.verdicts == {}

@@ -168,4 +168,6 @@ def test_float32_state_space_models_decode_fused_with_transformers_tokens(arch):
     # The first call's check against transformers' functions passed for both.
     assert not any("differed" in note for note in decoder.notes), decoder.notes
     assert decoder._adapter[0].fused.verdicts == {"mamba2_selective_state_update": True,
-                                                  "causal_conv1d_update": True}
+                                                  "causal_conv1d_update": True,
+                                                  "rms_norm": True, "rms_norm_gated": True}
+    assert any("run graphed's rms_norm" in note for note in decoder.notes), decoder.notes
