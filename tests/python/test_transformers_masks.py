@@ -151,3 +151,56 @@ def test_compiled_code_does_not_depend_on_whether_a_stream_captures(monkeypatch)
     compiled(input_ids=ids, labels=labels, use_cache=False).loss.backward()
     torch._dynamo.reset()
     assert len(compiles) == warm, "Dynamo compiled again once the stream reported a capture"
+
+
+def _attention_calls(monkeypatch):
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        calls.append((attn_mask is None, kwargs.get("is_causal"), key.shape[1]))
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def _tiny_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def test_a_training_forward_under_capture_skips_the_mask_as_eager_does(capturing, monkeypatch):
+    transformers_masks.install()
+    model, ids = _tiny_llama(), torch.randint(0, 64, (2, 8))
+    calls = _attention_calls(monkeypatch)
+    model(input_ids=ids, use_cache=False)
+    eager = calls[-1]
+    assert eager == (True, True, 2)  # no mask, is_causal, grouped keys (2 heads)
+    capturing()
+    # Position ids the model makes itself are never packed: eager's answer.
+    model(input_ids=ids, use_cache=False)
+    assert calls[-1] == eager
+    # transformers' own rule (what graphed replaced) materializes the mask.
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        masking_utils.find_packed_sequence_indices.__wrapped__)
+    model(input_ids=ids, use_cache=False)
+    assert calls[-1][0] is False
+
+
+def test_position_ids_the_caller_passes_keep_transformers_answer_under_capture(capturing,
+                                                                              monkeypatch):
+    transformers_masks.install()
+    model, ids = _tiny_llama(), torch.randint(0, 64, (2, 8))
+    calls = _attention_calls(monkeypatch)
+    positions = torch.arange(8).expand(2, -1)
+    model(input_ids=ids, position_ids=positions, use_cache=False)
+    assert calls[-1][0] is True  # eagerly: read on the host, nothing packed
+    capturing()
+    # A replay may get packed ids: the graph holds the mask, right for every batch.
+    model(input_ids=ids, position_ids=positions, use_cache=False)
+    assert calls[-1][0] is False

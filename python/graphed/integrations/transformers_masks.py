@@ -23,7 +23,24 @@ same (bench/zoo_modern.py, ``loss_rel_diffs_torch_graph``).
 A CUDA graph is specialized to its shapes, so the export concern does not
 apply: when no padding mask is given (``padding_mask is None``) and the
 offsets are host ints, the answer depends on the shapes alone, and the rules
-here give eager's answer during capture too. With a padding mask the eager
+here give eager's answer during capture too.
+
+A training forward meets one more such guard before those rules: with no
+cache and no attention mask, transformers looks for packed sequences in the
+position ids (masking_utils.find_packed_sequence_indices) and, finding none
+on the host, lets the mask be skipped; under capture its ``is_tracing()``
+guard returns the device tensor instead, which forbids the skip, so every
+captured training step of a transformers LM ran the explicit mask, and the
+rules above never came into play (Mixtral's amp_bf16 losses in
+bench/zoo_modern.py drifted from eager's by this: the first step's gradients
+already differed, in the backward of the repeated keys). When the position
+ids are the model's own (the outermost transformers forward on the stack was
+called without them, so the model made ``arange(length) + past``, never
+packed), the answer depends on the shape alone and the rule here gives
+eager's, None. Position ids the caller passed may differ from one replay to
+the next (packed batches), so they keep transformers' answer: the mask the
+graph holds is right for every batch, and the attention is not eager's
+kernel. With a padding mask the eager
 rule reads its values on the host (``padding_mask.sum() == numel``), which a
 graph cannot hold for later batches; that case keeps transformers' answer
 (materialize), which is right for every batch. graphed.generate's prefill
@@ -101,6 +118,7 @@ def install() -> None:
 
     _install_eager_mask(masking_utils)
     _install_recurrent_mask(masking_utils)
+    _install_packed_sequence_rule(masking_utils)
 
     causal = masking_utils._ignore_causal_mask_sdpa
     if not getattr(causal, "_graphed_rule", False):
@@ -132,6 +150,39 @@ def install() -> None:
         ignore_bidirectional_mask_sdpa._graphed_rule = True
         ignore_bidirectional_mask_sdpa.__wrapped__ = bidirectional
         masking_utils._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask_sdpa
+
+
+def _positions_made_by_the_model(frame: Any) -> bool:
+    """Whether the outermost transformers model forward on the stack above
+    ``frame`` was called without position ids, so that the model made its
+    own (Note [transformers' mask rules under capture]). False when none is
+    found."""
+    outermost = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and "position_ids" in code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and hasattr(owner, "config") and \
+                    type(owner).__module__.startswith("transformers."):
+                outermost = frame
+        frame = frame.f_back
+    return outermost is not None and outermost.f_locals.get("position_ids") is None
+
+
+def _install_packed_sequence_rule(masking_utils: Any) -> None:
+    """Note [transformers' mask rules under capture], its last paragraph."""
+    packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if packed is None or getattr(packed, "_graphed_rule", False):
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        if _capturing() and _positions_made_by_the_model(sys._getframe(1)):
+            return None  # eager's answer for arange positions: nothing packed
+        return packed(position_ids)
+
+    find_packed_sequence_indices._graphed_rule = True  # type: ignore[attr-defined]
+    find_packed_sequence_indices.__wrapped__ = packed  # type: ignore[attr-defined]
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 def _install_eager_mask(masking_utils: Any) -> None:
