@@ -8,15 +8,12 @@
 
 #include "rms_norm_kernels.h"
 
+#include "elementwise_grid.h"
+
 namespace graphed::device {
 namespace {
 
-constexpr int kThreads = 256;
-
-unsigned int blocks_for(int64_t elements) {
-  const int64_t blocks = (elements + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-}
+constexpr int kThreads = kElementwiseThreads;
 
 __global__ void rms_norm_gate_kernel(RmsNormGate g) {
   const int64_t total = g.rows * g.cols;
@@ -51,7 +48,7 @@ cudaError_t launch_rms_norm_gate(const RmsNormGate& gate, cudaStream_t stream) {
   if (total == 0) {
     return cudaSuccess;
   }
-  rms_norm_gate_kernel<<<blocks_for(total), kThreads, 0, stream>>>(gate);
+  rms_norm_gate_kernel<<<elementwise_blocks(total), kThreads, 0, stream>>>(gate);
   return cudaGetLastError();
 }
 
@@ -60,7 +57,7 @@ cudaError_t launch_rms_norm_scale(const RmsNormScale& scale, cudaStream_t stream
   if (total == 0) {
     return cudaSuccess;
   }
-  rms_norm_scale_kernel<<<blocks_for(total), kThreads, 0, stream>>>(scale);
+  rms_norm_scale_kernel<<<elementwise_blocks(total), kThreads, 0, stream>>>(scale);
   return cudaGetLastError();
 }
 

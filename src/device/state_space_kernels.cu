@@ -28,17 +28,14 @@
 
 #include "state_space_kernels.h"
 
+#include "elementwise_grid.h"
+
 #include <cmath>
 
 namespace graphed::device {
 namespace {
 
-constexpr int kThreads = 256;
-
-unsigned int blocks_for(int64_t elements) {
-  const int64_t blocks = (elements + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-}
+constexpr int kThreads = kElementwiseThreads;
 
 __device__ float softplus(float v) {
   // ATen's softplus with beta 1 and threshold 20 (multiplying and dividing
@@ -123,7 +120,7 @@ cudaError_t launch_selective_state_update(const SelectiveStateUpdate& update,
   if (total == 0) {
     return cudaSuccess;
   }
-  selective_state_update_kernel<<<blocks_for(total), kThreads, 0, stream>>>(update);
+  selective_state_update_kernel<<<elementwise_blocks(total), kThreads, 0, stream>>>(update);
   return cudaGetLastError();
 }
 
@@ -132,7 +129,7 @@ cudaError_t launch_skip_connection(const SkipConnection& skip, cudaStream_t stre
   if (total == 0) {
     return cudaSuccess;
   }
-  skip_connection_kernel<<<blocks_for(total), kThreads, 0, stream>>>(skip);
+  skip_connection_kernel<<<elementwise_blocks(total), kThreads, 0, stream>>>(skip);
   return cudaGetLastError();
 }
 
@@ -141,7 +138,7 @@ cudaError_t launch_conv_state_update(const ConvStateUpdate& conv, cudaStream_t s
   if (total == 0 || conv.width < 1 || conv.width > kMaxConvWidth) {
     return total == 0 ? cudaSuccess : cudaErrorInvalidValue;
   }
-  conv_state_update_kernel<<<blocks_for(total), kThreads, 0, stream>>>(conv);
+  conv_state_update_kernel<<<elementwise_blocks(total), kThreads, 0, stream>>>(conv);
   return cudaGetLastError();
 }
 
