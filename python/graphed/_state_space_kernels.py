@@ -9,6 +9,7 @@ kernels do not take run transformers' function."""
 
 import ast
 import contextlib
+import functools
 import inspect
 import textwrap
 import weakref
@@ -171,9 +172,17 @@ def rms_norm_kind(module):
     """"rms_norm" or "rms_norm_gated" when ``module``'s class computes one of
     the forwards graphed's rms_norm reproduces (with a float ``weight`` and
     ``variance_epsilon``), else None."""
-    forward = getattr(type(module), "forward", None)
-    if forward is None or not isinstance(getattr(module, "weight", None), torch.Tensor) or \
+    if not isinstance(getattr(module, "weight", None), torch.Tensor) or \
             not isinstance(getattr(module, "variance_epsilon", None), float):
+        return None
+    return _class_rms_norm_kind(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_rms_norm_kind(cls):
+    """rms_norm_kind's answer from the class's forward, parsed once per class."""
+    forward = getattr(cls, "forward", None)
+    if forward is None:
         return None
     try:
         source = inspect.getsource(forward)

@@ -23,7 +23,11 @@ same (bench/zoo_modern.py, ``loss_rel_diffs_torch_graph``).
 A CUDA graph is specialized to its shapes, so the export concern does not
 apply: when no padding mask is given (``padding_mask is None``) and the
 offsets are host ints, the answer depends on the shapes alone, and the rules
-here give eager's answer during capture too.
+here give eager's answer during capture too. With a padding mask the eager
+rule reads its values on the host (``padding_mask.sum() == numel``), which a
+graph cannot hold for later batches; that case keeps transformers' answer
+(materialize), which is right for every batch. graphed.generate's prefill
+has its own answer (Note [A capturable prefill] in generate.py), taken first.
 
 A training forward meets one more such guard before those rules: with no
 cache and no attention mask, transformers looks for packed sequences in the
@@ -40,11 +44,7 @@ packed), the answer depends on the shape alone and the rule here gives
 eager's, None. Position ids the caller passed may differ from one replay to
 the next (packed batches), so they keep transformers' answer: the mask the
 graph holds is right for every batch, and the attention is not eager's
-kernel. With a padding mask the eager
-rule reads its values on the host (``padding_mask.sum() == numel``), which a
-graph cannot hold for later batches; that case keeps transformers' answer
-(materialize), which is right for every batch. graphed.generate's prefill
-has its own answer (Note [A capturable prefill] in generate.py), taken first.
+kernel.
 
 Note [An eager-attention mask a graph can hold]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
