@@ -56,6 +56,11 @@ or the next row. Row ``models.<model>.b<batch>``:
   ``ms_per_token`` over it (``ratio_to_floor`` counts the prefill's kernels
   as overhead: a 32-token Mamba2 prefill runs 0.8 ms of kernels at batch 1,
   its chunked scan materialising 256x256 blocks);
+- ``hf_kernel_floor_ms`` and ``ratio_to_hf_floor`` where graphed runs fused
+  kernels of its own in the step (state-space models): the kernel time of the
+  same eager step on transformers' own functions, the eager iteration's
+  floor of DESIGN.md, which ``kernel_floor_ms`` (graphed's fused step, fewer
+  kernels) is stricter than;
 - ``ratio_to_floor``, ``speedup_vs_hf_dynamic``; ``graph_notes`` (the
   decoder's notes: sliding windows held whole, state-space layers, experts
   switched to graphed's grouped GEMM); ``capture_s``, ``graph_mb``, ``kernels``
@@ -353,6 +358,15 @@ def run_row(name: str, batch: int, size: Size, new_tokens: int, hf_repeats: int,
         adapter = out["decoder"]._adapter[0]
         row["kernel_floor_ms"] = _step_floor_ms(adapter, ids, max_cache_len)
         row["prefill_kernel_ms"] = _prefill_floor_ms(adapter, ids)
+        if adapter.fused is not None:
+            # The same step on transformers' own functions (graphed's fused
+            # state-space kernels and norms left out): the eager step a user
+            # of transformers runs, the floor DESIGN.md defines.
+            fused, adapter.fused = adapter.fused, None
+            try:
+                row["hf_kernel_floor_ms"] = _step_floor_ms(adapter, ids, max_cache_len)
+            finally:
+                adapter.fused = fused
 
     attempt("graphed_generate", ours)
     if "decoder" in out:
@@ -360,6 +374,8 @@ def run_row(name: str, batch: int, size: Size, new_tokens: int, hf_repeats: int,
     ms, floor_ms, dynamic = (row["ms_per_token"], row["kernel_floor_ms"],
                              row["hf_dynamic_ms_per_token"])
     row["ratio_to_floor"] = round(ms / floor_ms, 3) if ms and floor_ms else None
+    if ms and row.get("hf_kernel_floor_ms"):
+        row["ratio_to_hf_floor"] = round(ms / row["hf_kernel_floor_ms"], 3)
     prefill_floor = row.get("prefill_kernel_ms")
     if floor_ms and prefill_floor is not None:
         row["call_kernel_ms_per_token"] = round(

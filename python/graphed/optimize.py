@@ -461,11 +461,29 @@ def _build_compiled(report: OptimizeReport,
     return build
 
 
+# Note [A candidate must be clearly faster]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# optimize keeps graphs only when they beat eager by MIN_SPEEDUP. A graphed
+# step that is 2% faster in optimize's own measurement is not faster for the
+# user: on the GPU machine's loaded host the same step times several percent
+# apart from one measurement to the next (the hand-written MoE's per-block
+# graphs measured 1.06x inside optimize and 0.935x in the benchmark that ran
+# right after it, session 24), and graphs that do not pay still cost their
+# memory, their replay-order rules and their fallbacks. The per-block case
+# meets this most: where a loop that no graph can hold is most of the step,
+# graphing the rest gains a few percent at best. force=True keeps any
+# candidate that matches eager.
+MIN_SPEEDUP = 1.05
+
+
 def _reject_if_slower(report: OptimizeReport, force: bool) -> None:
-    """The graphed candidate (the one kept) must beat eager, unless forced."""
-    if report.graphed_ms >= report.eager_ms and not force:
-        raise _Rejected(f"the graph is not faster: {report.graphed_ms:.3f} ms against "
-                        f"{report.eager_ms:.3f} ms eager")
+    """The graphed candidate (the one kept) must beat eager clearly, unless
+    forced (Note [A candidate must be clearly faster])."""
+    if report.graphed_ms * MIN_SPEEDUP > report.eager_ms and not force:
+        raise _Rejected(f"the graph is not clearly faster: {report.graphed_ms:.3f} ms against "
+                        f"{report.eager_ms:.3f} ms eager ({report.eager_ms / report.graphed_ms:.2f}x;"
+                        f" optimize keeps graphs {MIN_SPEEDUP:.2f}x faster or more, force=True "
+                        "keeps them anyway)")
 
 
 def _fail(report: OptimizeReport, error: BaseException) -> None:
@@ -639,8 +657,20 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
                                    iters=settings.timed_iters, repeats=settings.timed_repeats)
         report.eager_ms, report.graphed_ms = times["eager"], times["graphed"]
         build_compiled = _build_compiled(report, compile_choice)
+        if whole_step_blocked is not None:
+            # Said whether or not the graphs are kept: what per-block graphs
+            # reach, and what stays eager, is the answer to "why so little".
+            note, report.parts = _per_block_note(step.auto_model, whole_step_blocked, {})
+            report.notes.append(note)
         if not build_compiled:
-            _reject_if_slower(report, force)
+            try:
+                _reject_if_slower(report, force)
+            except _Rejected as slower:
+                if whole_step_blocked is None:
+                    raise
+                raise _Rejected(f"per_block: {slower}. The whole step could not be captured "
+                                f"({whole_step_blocked}); report.notes and report.parts say "
+                                "what the per-block graphs held and what stays eager") from None
         captured.restore()
         if build_compiled:
             # Note [A compiled candidate] in python/graphed/_compiled.py.
@@ -672,9 +702,9 @@ def _optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer,
         if report.compiled.get("chosen"):
             report.reason += "; the step runs over torch.compile(model), faster than without"
         if whole_step_blocked is not None:
-            note, report.parts = _per_block_note(step.auto_model, whole_step_blocked,
-                                                 report.graphed_work)
-            report.notes.append(note)
+            # The same note, now with the share of the step's GPU work in graphs.
+            report.notes[report.notes.index(note)], report.parts = _per_block_note(
+                step.auto_model, whole_step_blocked, report.graphed_work)
             report.reason += f" (the whole step could not be captured: {whole_step_blocked})"
     except Exception as error:  # noqa: BLE001 - every failure is reported, state restored
         _fail(report, error)

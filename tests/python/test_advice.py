@@ -206,3 +206,22 @@ def test_work_in_graphs_is_told_from_work_launched_eagerly():
                             graphed_work=work)
     assert "| GPU work in graphs | 83% (200 of 240" in str(report)
     assert report.to_dict()["graphed_work"] == work
+
+
+@pytest.mark.parametrize("eager_ms, graphed_ms, kept", [
+    (10.0, 9.0, True), (10.0, 10.0 / 1.05, True), (10.0, 9.6, False), (10.0, 10.0, False),
+    (10.0, 11.0, False)])
+def test_optimize_keeps_graphs_only_when_they_are_clearly_faster(eager_ms, graphed_ms, kept):
+    # Note [A candidate must be clearly faster]: a few percent is within what
+    # the same step's timings spread on the GPU machine's host.
+    from graphed._optimize_report import OptimizeReport
+    from graphed.optimize import MIN_SPEEDUP, _Rejected, _reject_if_slower
+
+    report = OptimizeReport("m", training=True, eager_ms=eager_ms, graphed_ms=graphed_ms)
+    if kept:
+        _reject_if_slower(report, force=False)
+    else:
+        with pytest.raises(_Rejected, match=rf"not clearly faster: .*{MIN_SPEEDUP:.2f}x faster "
+                                            r"or more, force=True keeps them anyway"):
+            _reject_if_slower(report, force=False)
+    _reject_if_slower(report, force=True)  # forced: kept whatever it measured
