@@ -1,7 +1,7 @@
 """graphed.optimize: check, advise, apply the recommended capture strategy,
 verify numerics against eager, measure, and report. On any failure, or when
-the graph is not faster, the model and optimizer are left exactly as they were
-and the report says why."""
+the graph is not 1.05x faster, the model and optimizer are left exactly as
+they were and the report says why."""
 
 from __future__ import annotations
 
@@ -387,7 +387,7 @@ def optimize(model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
 
     Returns an :class:`OptimizeReport`, true when graphs were applied: use
     ``report.fn(*args)`` or ``report.step(batch)``. When anything fails, the
-    numerics differ or the graph is not faster (unless ``force``), the model,
+    numerics differ or the graph is not 1.05x faster (unless ``force``), the model,
     optimizer and random generators are restored exactly and ``report.reason``
     says why. After a training step is applied, the optimizer is fused or
     capturable and each ``.grad`` is the graph's buffer (see TrainStep); the
