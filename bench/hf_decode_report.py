@@ -64,6 +64,14 @@ def _short_note(note: str) -> str:
     return note[:60]
 
 
+def _hf_floor(row: Dict[str, Any]) -> str:
+    """transformers' own eager step floor and graphed's ratio to it, where
+    graphed's step runs fused kernels of its own (else '-': the floors agree)."""
+    if not row.get("hf_kernel_floor_ms"):
+        return "-"
+    return f"{_cell(row['hf_kernel_floor_ms'])} ({_cell(row.get('ratio_to_hf_floor'), 2)})"
+
+
 def models_markdown(record: Dict[str, Any]) -> List[str]:
     """bench/hf_decode_models.py's rows: per model and batch, graphed's ms per
     new token, the decode step's kernel floor and the ratio to it, the ratio
@@ -75,17 +83,18 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
              f"{record.get('new_tokens')} new tokens, greedy; ms per new token; fp32 with "
              f"TF32 {'on' if record.get('tf32') else 'off'}, qwen3_moe bf16)\n",
              "| model | batch | graphed | kernel floor | x floor | x the call's kernels "
-             "| decode step alone (x floor) | HF dynamic | x HF dynamic | same tokens | notes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| decode step alone (x floor) | transformers' step floor (x) | HF dynamic "
+             "| x HF dynamic | same tokens | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     batches = record.get("batches") or [1, 8]
     for name, model in record.get("models", {}).items():
         if "error" in model and not any(f"b{b}" in model for b in batches):
-            lines.append(f"| {name} | | FAILED: {model['error'][:200]} | | | | | | | | |")
+            lines.append(f"| {name} | | FAILED: {model['error'][:200]} | | | | | | | | | |")
             continue
         for batch in batches:
             row = model.get(f"b{batch}", {})
             if "error" in row:
-                lines.append(f"| {name} | {batch} | FAILED: {row['error'][:200]} | | | | | | | | |")
+                lines.append(f"| {name} | {batch} | FAILED: {row['error'][:200]} | | | | | | | | | |")
                 continue
             same = row.get("same_tokens")
             if same is None:
@@ -104,6 +113,7 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
                 f"{_cell(row.get('ratio_to_call_floor'), 2)} | "
                 f"{_cell(row.get('decode_ms_per_token'))} "
                 f"({_cell(row.get('decode_ratio_to_floor'), 2)}) | "
+                f"{_hf_floor(row)} | "
                 f"{_cell(row.get('hf_dynamic_ms_per_token'))} | {_cell(speedup, 2)} | {same} | "
                 f"{'; '.join(notes)} |")
     lines.append("")
