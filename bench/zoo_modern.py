@@ -128,6 +128,21 @@ def _graphed_parts(stats: Dict[str, Any]) -> Dict[str, Any]:
     return parts
 
 
+def _step_without_the_loop(entry, base_state, setup: str) -> Callable[[Any], torch.Tensor]:
+    """The eager step with every loop-dispatched mixture-of-experts layer
+    (HandwrittenMoE, not its sorted subclass) replaced by its first expert on
+    every token: all of the step that partial capture could put in graphs,
+    plus one dense MLP per layer (and fewer parameters for the optimizer).
+    Eager's time less this one's is what the dispatch loop costs at least,
+    whatever graphs do around it (Note [A candidate must be clearly faster]
+    in python/graphed/optimize.py)."""
+    model, optimizer = _fresh(entry, base_state)
+    for module in model.modules():
+        if type(module) is zoo_modern_models.HandwrittenMoE:
+            module.forward = module.experts[0]
+    return _eager_step(model, optimizer, setup)
+
+
 def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int,
               compile: Any = False) -> Dict[str, Any]:
     entry = zoo_modern_models.build(name, "bench", setup)
@@ -223,8 +238,22 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int,
         same_diffs["optimize"] = _rel(same_losses, losses)
         runs["optimize"] = lambda: report.step(batch)
 
+    loop_dispatch = any(type(m) is zoo_modern_models.HandwrittenMoE for m in entry.model.modules())
+    if loop_dispatch:
+        without_loop = _step_without_the_loop(entry, base_state, setup)
+        runs["eager_without_the_loop"] = lambda: without_loop(batch)
     times = measure.compare_ms(runs, iters=iters, repeats=repeats)
     row["eager_ms"] = round(times["eager"], 4)
+    if loop_dispatch:
+        # The most any capture around the loop can give: the loop's own time
+        # stays (Note [A candidate must be clearly faster]).
+        loop_ms = times["eager"] - times["eager_without_the_loop"]
+        row["dispatch_loop"] = {
+            "eager_without_the_loop_ms": round(times["eager_without_the_loop"], 4),
+            "loop_ms": round(loop_ms, 4),
+            "loop_share_of_eager": round(loop_ms / times["eager"], 3),
+            "max_speedup_around_the_loop": round(times["eager"] / loop_ms, 3)
+            if loop_ms > 0 else None}
     row["trainstep_ms"] = round(times["trainstep"], 4) if "trainstep" in times else None
     row["optimize_ms"] = round(times["optimize"], 4) if "optimize" in times else None
     row["auto_ms"] = round(times["auto"], 4)
@@ -324,6 +353,14 @@ def markdown(result: Dict[str, Any]) -> List[str]:
                          f"| {row.get('eager_one_ulp_rel_diff', '-')} "
                          f"| {in_graphs(row.get('optimize_graphed_work'))} / "
                          f"{in_graphs(row.get('auto_graphed_work'))} |")
+    for name, record in result.get("models", {}).items():
+        for setup, row in record.items():
+            loop = row.get("dispatch_loop")
+            if loop and loop.get("max_speedup_around_the_loop"):
+                lines.append(f"- {name} {setup}: the dispatch loop is "
+                             f"{100 * loop['loop_share_of_eager']:.0f}% of the eager step "
+                             f"({loop['loop_ms']} of {row['eager_ms']} ms); graphs around it can "
+                             f"give at most {loop['max_speedup_around_the_loop']}x")
     lines.append("")
     return lines
 
