@@ -83,7 +83,8 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
              f"{record.get('new_tokens')} new tokens, greedy; ms per new token; fp32 with "
              f"TF32 {'on' if record.get('tf32') else 'off'}, qwen3_moe bf16)\n",
              "| model | batch | graphed | kernel floor | x floor | x the call's kernels "
-             "| decode step alone (x floor) | transformers' step floor (x) | HF dynamic "
+             "| decode step alone (x floor) | transformers' step floor (x) "
+             "| HF dynamic "
              "| x HF dynamic | same tokens | notes |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     batches = record.get("batches") or [1, 8]
@@ -94,7 +95,7 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
         for batch in batches:
             row = model.get(f"b{batch}", {})
             if "error" in row:
-                lines.append(f"| {name} | {batch} | FAILED: {row['error'][:200]} | | | | | | | | | |")
+                lines.append(f"| {name} | {batch} | FAILED: {row['error'][:200]} |" + " |" * 9)
                 continue
             same = row.get("same_tokens")
             if same is None:

@@ -238,7 +238,8 @@ def setup_row(name: str, setup: str, iters: int, repeats: int, steps: int,
         same_diffs["optimize"] = _rel(same_losses, losses)
         runs["optimize"] = lambda: report.step(batch)
 
-    loop_dispatch = any(type(m) is zoo_modern_models.HandwrittenMoE for m in entry.model.modules())
+    loop_dispatch = any(type(m) is zoo_modern_models.HandwrittenMoE
+                        for m in entry.model.modules())
     if loop_dispatch:
         without_loop = _step_without_the_loop(entry, base_state, setup)
         runs["eager_without_the_loop"] = lambda: without_loop(batch)

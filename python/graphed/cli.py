@@ -90,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Builds the workload with MODULE:FACTORY, then runs graphed.optimize: check, "
         "advise, apply the recommended strategy, verify numerics against eager, measure both and "
         "report. When graphs cannot be applied, do not match eager or are not 1.05x faster, "
-        "nothing is changed and the report says why. " + workload_help + " Needs a GPU. Exit code: 0 "
-        "applied, 1 not applied (the report says why), 2 bad input or no GPU.",
+        "nothing is changed and the report says why. " + workload_help + " Needs a GPU. Exit "
+        "code: 0 applied, 1 not applied (the report says why), 2 bad input or no GPU.",
     )
     for command in (advise, optimize):
         command.add_argument("factory", metavar="MODULE:FACTORY",

@@ -480,10 +480,10 @@ def _reject_if_slower(report: OptimizeReport, force: bool) -> None:
     """The graphed candidate (the one kept) must beat eager clearly, unless
     forced (Note [A candidate must be clearly faster])."""
     if report.graphed_ms * MIN_SPEEDUP > report.eager_ms and not force:
+        speedup = report.eager_ms / report.graphed_ms
         raise _Rejected(f"the graph is not clearly faster: {report.graphed_ms:.3f} ms against "
-                        f"{report.eager_ms:.3f} ms eager ({report.eager_ms / report.graphed_ms:.2f}x;"
-                        f" optimize keeps graphs {MIN_SPEEDUP:.2f}x faster or more, force=True "
-                        "keeps them anyway)")
+                        f"{report.eager_ms:.3f} ms eager ({speedup:.2f}x; optimize keeps graphs "
+                        f"{MIN_SPEEDUP:.2f}x faster or more, force=True keeps them anyway)")
 
 
 def _fail(report: OptimizeReport, error: BaseException) -> None:
