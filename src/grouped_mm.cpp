@@ -77,6 +77,30 @@ namespace graphed {
 // the last one also covers torch kernels that leave an empty group's
 // gradient unwritten (pytorch/pytorch#172439, seen on sm100).
 
+// Note [A decode step's few rows]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A decode step routes a few tokens (batch x top-k: 2 rows at batch 1 with
+// top-2) to a few experts. The tiled forward gives such a group one block per
+// 64 columns, which walks all of K serially in slices of 16, each slice a
+// round trip to memory: for 1 row it reads the expert's weights at the speed
+// of that one chain, and on the H100 it took 38-54 us a call, 30-45% of the
+// kernel time of gpt-oss's and granite-moe-hybrid's decode steps at d512.
+//
+// A forward of at most 32 rows therefore takes a kernel that splits the
+// reduction within a block instead: a block per (16 output columns, group),
+// plus one block row for the rows past the last offset (zeros); each block
+// finds its group's rows from the offsets as the weight gradient does, then
+// walks them 4 at a time. The weights are read along whichever of their
+// dimensions is closer to contiguous: along N, 16 slices of K of 16 threads
+// each, one column a thread, the 16 partial sums added in slice order
+// through shared memory; along K (a transposed view), a warp per column whose
+// lanes stride K, reduced by a butterfly. Each output is still written by one
+// thread in a fixed order, so results are deterministic; the order of the
+// additions differs from the tiled kernel's, which the float32 tolerance of
+// the tests covers. The choice is made on the host from the row count (a
+// shape, fixed in a graph), never from the offsets, so a captured graph keeps
+// its kernel whatever the routing.
+
 namespace {
 
 using torch::autograd::AutogradContext;

@@ -17,6 +17,12 @@
 // ceil(S / 64) + E + 1 blocks wide, of which at most E + 1 find nothing to do,
 // rather than ceil(S / 64) blocks for each of the E groups. Every output row
 // is written by exactly one block.
+//
+// A forward of at most 32 rows (a decode step: a few tokens times top-k) takes
+// a kernel of its own, Note [A decode step's few rows] in src/grouped_mm.cpp:
+// a block per (32 output columns, group) that splits the reduction across its
+// threads, so the weights stream in parallel instead of through one block's
+// serial loop over K.
 
 #include "grouped_gemm_kernels.h"
 
@@ -345,6 +351,161 @@ __global__ void __launch_bounds__(kThreads) grouped_mm_weight_grad_kernel(Groupe
              w.out_stride[1], w.out_stride[2], tile_k, tile_n, acc);
 }
 
+// --- the forward of a few rows: the reduction split across a block ---------------
+
+// Note [A decode step's few rows] in src/grouped_mm.cpp.
+constexpr int64_t kFewRows = 32;   // a forward of at most this many rows takes this kernel
+constexpr int kFewRowsPerPass = 4;  // rows of a group multiplied per pass over its weights
+constexpr int kFewCols = 16;        // output columns of a block
+constexpr int kFewWarps = kThreads / 32;
+constexpr int kFewColsPerWarp = kFewCols / kFewWarps;  // weights read along K: a warp per column
+constexpr int kFewSplits = kThreads / kFewCols;        // weights read along N: slices of K
+
+static_assert(kFewColsPerWarp * kFewWarps == kFewCols, "the warps share a block's columns");
+static_assert(kFewSplits * kFewCols == kThreads, "a slice of K per group of 16 threads");
+
+// Warp 0: the rows block row `y` of the few-rows forward covers: group y's, or
+// for y == groups the rows past the last offset (to be zeroed).
+__device__ void locate_block_rows(const GroupOffsets& offsets, int64_t rows, int64_t y,
+                                  int64_t (&range)[2]) {
+  if (y < offsets.groups) {
+    locate_group_rows(offsets, rows, y, range);
+    return;
+  }
+  if (offsets.groups > 0) {
+    locate_group_rows(offsets, rows, offsets.groups - 1, range);
+  }
+  if (threadIdx.x == 0) {
+    range[0] = offsets.groups > 0 ? range[1] : 0;
+    range[1] = rows;
+  }
+}
+
+// Weights read along N (B[g] row-major [K, N]): 16 threads per slice of K,
+// one column each (k = slice, slice + 16, ...), the loads of 8 steps issued
+// before their products; the 16 partial sums of an output are added in slice
+// order through shared memory.
+template <typename T>
+__device__ void few_rows_along_n(const GroupedMm& mm, const T* a, const T* b, int64_t r0,
+                                 int64_t count, int64_t n0, int64_t cols, T* out) {
+  __shared__ float partial[kFewSplits][kFewRowsPerPass][kFewCols + 1];
+  const int col = threadIdx.x % kFewCols;
+  const int split = threadIdx.x / kFewCols;
+  float acc[kFewRowsPerPass] = {};
+  if (col < cols) {
+    const T* column = b + (n0 + col) * mm.b_stride[2];
+    const T* rows = a + r0 * mm.a_stride[0];
+#pragma unroll 8
+    for (int64_t k = split; k < mm.k; k += kFewSplits) {
+      const float w = to_float(column[k * mm.b_stride[1]]);
+      const T* left = rows + k * mm.a_stride[1];
+#pragma unroll
+      for (int r = 0; r < kFewRowsPerPass; ++r) {
+        if (r < count) {
+          acc[r] = fmaf(to_float(left[r * mm.a_stride[0]]), w, acc[r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kFewRowsPerPass; ++r) {
+    partial[split][r][col] = acc[r];
+  }
+  __syncthreads();
+  if (threadIdx.x < kFewRowsPerPass * kFewCols) {
+    const int r = threadIdx.x / kFewCols;
+    if (r < count && col < cols) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int s = 0; s < kFewSplits; ++s) {
+        sum += partial[s][r][col];
+      }
+      out[(r0 + r) * mm.out_stride[0] + (n0 + col) * mm.out_stride[1]] = from_float<T>(sum);
+    }
+  }
+  __syncthreads();  // `partial` is rewritten by the next pass
+}
+
+// Weights read along K (B[g] a transposed view of [N, K]): warp w owns columns
+// w and w + 8, its lanes stride K; each output is reduced over the lanes by a
+// butterfly, whose lane-0 order is fixed.
+template <typename T>
+__device__ void few_rows_along_k(const GroupedMm& mm, const T* a, const T* b, int64_t r0,
+                                 int64_t count, int64_t n0, int64_t cols, T* out) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  float acc[kFewRowsPerPass][kFewColsPerWarp] = {};
+  const T* rows = a + r0 * mm.a_stride[0];
+#pragma unroll 4
+  for (int64_t k = lane; k < mm.k; k += 32) {
+    float left[kFewRowsPerPass];
+#pragma unroll
+    for (int r = 0; r < kFewRowsPerPass; ++r) {
+      left[r] = r < count ? to_float(rows[r * mm.a_stride[0] + k * mm.a_stride[1]]) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kFewColsPerWarp; ++j) {
+      const int c = warp + kFewWarps * j;
+      if (c < cols) {
+        const float w = to_float(b[k * mm.b_stride[1] + (n0 + c) * mm.b_stride[2]]);
+#pragma unroll
+        for (int r = 0; r < kFewRowsPerPass; ++r) {
+          acc[r][j] = fmaf(left[r], w, acc[r][j]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kFewRowsPerPass; ++r) {
+#pragma unroll
+    for (int j = 0; j < kFewColsPerWarp; ++j) {
+      float sum = acc[r][j];
+#pragma unroll
+      for (int mask = 16; mask > 0; mask /= 2) {
+        sum += __shfl_xor_sync(kFullMask, sum, mask);
+      }
+      const int c = warp + kFewWarps * j;
+      if (lane == 0 && r < count && c < cols) {
+        out[(r0 + r) * mm.out_stride[0] + (n0 + c) * mm.out_stride[1]] = from_float<T>(sum);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) grouped_mm_few_rows_kernel(GroupedMm mm) {
+  __shared__ int64_t range[2];
+  const int64_t y = blockIdx.y;
+  if (threadIdx.x < 32) {
+    locate_block_rows(mm.offsets, mm.rows, y, range);
+  }
+  __syncthreads();
+  const int64_t start = range[0];
+  const int64_t end = range[1];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kFewCols;
+  const int64_t cols = min64(kFewCols, mm.n - n0);
+  T* out = static_cast<T*>(mm.out);
+  if (y >= mm.offsets.groups) {
+    for (int64_t i = threadIdx.x; i < (end - start) * cols; i += kThreads) {
+      out[(start + i / cols) * mm.out_stride[0] + (n0 + i % cols) * mm.out_stride[1]] =
+          from_float<T>(0.0f);
+    }
+    return;
+  }
+  const T* a = static_cast<const T*>(mm.a);
+  const T* b = static_cast<const T*>(mm.b) + y * mm.b_stride[0];
+  const int64_t k_stride = mm.b_stride[1] < 0 ? -mm.b_stride[1] : mm.b_stride[1];
+  const int64_t n_stride = mm.b_stride[2] < 0 ? -mm.b_stride[2] : mm.b_stride[2];
+  for (int64_t r0 = start; r0 < end; r0 += kFewRowsPerPass) {
+    const int64_t count = min64(kFewRowsPerPass, end - r0);
+    if (k_stride < n_stride) {
+      few_rows_along_k(mm, a, b, r0, count, n0, cols, out);
+    } else {
+      few_rows_along_n(mm, a, b, r0, count, n0, cols, out);
+    }
+  }
+}
+
 // --- the fix-ups of torch's bfloat16 path -----------------------------------------
 
 __global__ void __launch_bounds__(32) sanitize_offsets_kernel(GroupOffsets offsets, int64_t rows,
@@ -405,6 +566,13 @@ int64_t tiles(int64_t extent) {
 
 template <typename T>
 cudaError_t launch_forward(const GroupedMm& mm, cudaStream_t stream) {
+  const int64_t column_blocks = (mm.n + kFewCols - 1) / kFewCols;
+  if (mm.rows <= kFewRows && mm.offsets.groups + 1 <= kMaxGridY && column_blocks <= kMaxGridX) {
+    const dim3 grid(static_cast<unsigned int>(column_blocks),
+                    static_cast<unsigned int>(mm.offsets.groups + 1));
+    grouped_mm_few_rows_kernel<T><<<grid, kThreads, 0, stream>>>(mm);
+    return cudaGetLastError();
+  }
   const int64_t row_tiles = tiles(mm.rows) + mm.offsets.groups + 1;
   const int64_t col_tiles = tiles(mm.n);
   if (row_tiles > kMaxGridX || col_tiles > kMaxGridY) {

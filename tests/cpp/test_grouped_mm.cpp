@@ -192,6 +192,11 @@ std::vector<Case> cases() {
       {"no rows in any group", 20, 8, 8, {0, 0, 0}, false},
       {"aligned (torch's kernel for bfloat16 on sm90)", 256, 128, 256, {64, 0, 100, 80}, false},
       {"aligned, transposed weights", 256, 128, 256, {64, 0, 100, 80}, true},
+      // At most 32 rows: the few-rows kernel (Note [A decode step's few rows]).
+      {"a decode step of one token, top-2", 2, 512, 1024, {0, 1, 0, 0, 1, 0, 0, 0}, false},
+      {"a decode step of 8 tokens, transposed weights", 16, 96, 130, {3, 0, 5, 0, 1, 2, 0, 3},
+       true},
+      {"32 rows in one group", 32, 40, 70, {0, 32}, false},
   };
 }
 
@@ -323,20 +328,25 @@ TEST_F(GroupedMmOnGpu, OffsetsOutOfRangeOrOrderNeitherFaultNorWriteOutside) {
       {-5, 1000000, 3, huge}, {huge, huge, huge}, {-1, -1, -1}, {40, 10, 70, 5}};
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     for (GroupedMmKernels kernels : {GroupedMmKernels::kGraphed, GroupedMmKernels::kAuto}) {
-      for (const std::vector<int32_t>& ends : bad) {
-        const auto options = at::TensorOptions().dtype(dtype).device(kCuda);
-        const int64_t groups = static_cast<int64_t>(ends.size());
-        const at::Tensor a = at::randn({100, 64}, options);
-        const at::Tensor b = at::randn({groups, 64, 128}, options);
-        const at::Tensor offs = offsets_tensor(ends, kCuda);
-        const at::Tensor out = grouped_mm(a, b, offs, kernels);
-        const at::Tensor grad_b = grouped_mm_weight_grad(a, at::randn({100, 128}, options), offs,
-                                                         kernels);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        // What the kernels promise: the clamped running maximum of the offsets.
-        const std::vector<int64_t> effective = effective_ends(ends, 100);
-        expect_close(out, reference_output(a, b, effective), dtype, c10::str("bad offsets, ", dtype));
-        EXPECT_TRUE(grad_b.isfinite().all().item<bool>());
+      // 100 rows take the tiled kernel, 12 the few-rows one.
+      for (const int64_t rows : {int64_t{100}, int64_t{12}}) {
+        for (const std::vector<int32_t>& ends : bad) {
+          const auto options = at::TensorOptions().dtype(dtype).device(kCuda);
+          const int64_t groups = static_cast<int64_t>(ends.size());
+          const at::Tensor a = at::randn({rows, 64}, options);
+          const at::Tensor b = at::randn({groups, 64, 128}, options);
+          const at::Tensor offs = offsets_tensor(ends, kCuda);
+          const at::Tensor out = grouped_mm(a, b, offs, kernels);
+          const at::Tensor grad_b =
+              grouped_mm_weight_grad(a, at::randn({rows, 128}, options), offs, kernels);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          // What the kernels promise: the clamped running maximum of the offsets.
+          const std::vector<int64_t> effective = effective_ends(ends, rows);
+          const std::string where = c10::str("bad offsets, ", dtype, ", ", rows, " rows");
+          expect_close(out, reference_output(a, b, effective), dtype, where);
+          expect_zero_rows(out, effective.back(), where);
+          EXPECT_TRUE(grad_b.isfinite().all().item<bool>());
+        }
       }
     }
   }

@@ -9,8 +9,9 @@ aligned bfloat16 on sm90/sm100): uneven and empty groups, every row in one
 group, rows past ``offs[-1]`` (exactly zero, also in the input gradient),
 sizes that are not multiples of the 64x64 tile, weights stored
 ``[E, N, K]`` and passed transposed (as transformers does), strided inputs,
-70 groups; capture inside ``torch.cuda.graph`` and replays with other
-offsets written into the same tensor; offsets out of range and out of order
+70 groups, forwards of at most 32 rows (a decode step's: their own kernel);
+capture inside ``torch.cuda.graph`` and replays with other offsets written
+into the same tensor; offsets out of range and out of order
 (no fault, the CUDA context still works). Without the marker, on any machine:
 the argument checks, which raise before anything touches a GPU."""
 
@@ -102,6 +103,12 @@ CASES = [
     ("aligned", 256, 128, 256, [64, 0, 100, 80], False),
     ("aligned-transposed", 256, 128, 256, [64, 0, 100, 80], True),
     ("k-and-n-past-a-tile", 300, 130, 200, [90, 110, 70], True),
+    # At most 32 rows: the few-rows kernel (Note [A decode step's few rows]).
+    ("decode-b1-top2", 2, 512, 1024, [0, 1, 0, 0, 1, 0, 0, 0], False),
+    ("decode-b8-top2-transposed", 16, 96, 130, [3, 0, 5, 0, 1, 2, 0, 3], True),
+    ("few-rows-one-group", 32, 40, 70, [0, 32], False),
+    ("few-rows-one-group-transposed", 32, 40, 70, [0, 32], True),
+    ("few-rows-odd-sizes", 13, 33, 17, [6, 0, 5], True),
 ]
 
 
@@ -190,13 +197,16 @@ def test_torch_kernel_is_chosen_for_aligned_bfloat16_on_hopper_and_blackwell():
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_captured_graph_follows_the_offsets_written_before_each_replay(dtype):
+@pytest.mark.parametrize("rows", [192, 16], ids=["tiles", "few-rows"])
+def test_captured_graph_follows_the_offsets_written_before_each_replay(dtype, rows):
     torch.manual_seed(3)
-    rows, k, n, groups = 192, 64, 128, 4
+    k, n, groups = 64, 128, 4
     a = torch.randn(rows, k, device="cuda").to(dtype).requires_grad_()
     w = torch.randn(groups, n, k, device="cuda").to(dtype).requires_grad_()
     grad = torch.randn(rows, n, device="cuda").to(dtype)
-    offs = torch.tensor([50, 50, 120, 150], dtype=torch.int32, device="cuda")
+    scale = rows / 192  # the offsets below are for 192 rows
+    offs = torch.tensor([int(e * scale) for e in (50, 50, 120, 150)], dtype=torch.int32,
+                        device="cuda")
 
     def step():
         out = moe.grouped_mm(a, w.transpose(-2, -1), offs)
@@ -215,6 +225,7 @@ def test_captured_graph_follows_the_offsets_written_before_each_replay(dtype):
 
     for ends in ([0, 192, 192, 192], [10, 20, 30, 40], [64, 64, 64, 180], [50, 50, 120, 150],
                  [192, 192, 192, 192]):
+        ends = [int(e * scale) for e in ends]
         offs.copy_(torch.tensor(ends, dtype=torch.int32))
         graph.replay()
         eff = effective_ends(ends, rows)
@@ -271,17 +282,20 @@ def test_transformers_style_routing_captures_in_float32():
 @gpu
 @pytest.mark.parametrize("kernels", ["graphed", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_offsets_out_of_range_or_order_do_not_fault(dtype, kernels):
+@pytest.mark.parametrize("rows", [100, 12], ids=["tiles", "few-rows"])
+def test_offsets_out_of_range_or_order_do_not_fault(dtype, kernels, rows):
     big = 2**31 - 1
-    for ends in ([-5, 1000000, 3, big], [big, big, big], [-1, -1, -1], [40, 10, 70, 5]):
-        a = torch.randn(100, 64, device="cuda").to(dtype).requires_grad_()
+    for ends in ([-5, 1000000, 3, big], [big, big, big], [-1, -1, -1], [40, 10, 70, 5],
+                 [7, 2, 11, 5]):
+        a = torch.randn(rows, 64, device="cuda").to(dtype).requires_grad_()
         b = torch.randn(len(ends), 64, 128, device="cuda").to(dtype).requires_grad_()
         offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
         out = moe.grouped_mm(a, b, offs, kernels=kernels)
         grad_a, grad_b = torch.autograd.grad(out, (a, b), torch.randn_like(out))
         torch.cuda.synchronize()
-        eff = effective_ends(ends, 100)
+        eff = effective_ends(ends, rows)
         assert_close(out, reference(a, b, eff), dtype, f"offsets {ends}")
+        assert_zero_rows(out, eff[-1], f"offsets {ends}")
         assert torch.isfinite(grad_a).all() and torch.isfinite(grad_b).all()
     # The CUDA context still works.
     assert float(torch.ones(1024, device="cuda").sum()) == 1024.0
