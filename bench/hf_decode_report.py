@@ -72,11 +72,18 @@ def _hf_floor(row: Dict[str, Any]) -> str:
     return f"{_cell(row['hf_kernel_floor_ms'])} ({_cell(row.get('ratio_to_hf_floor'), 2)})"
 
 
+def _bound(most: Any) -> str:
+    """' (of X)': the most a graph of the step could give against transformers'
+    DynamicCache (its time over the kernel floor), where measured."""
+    return f" (of {_cell(most, 2)})" if most else ""
+
+
 def models_markdown(record: Dict[str, Any]) -> List[str]:
     """bench/hf_decode_models.py's rows: per model and batch, graphed's ms per
     new token, the decode step's kernel floor and the ratio to it, the ratio
     to the kernels of the whole call (prefill included), the marginal time of one more token (the decode step alone) and its ratio,
-    transformers' DynamicCache ms per token and graphed's speedup over it, and
+    transformers' DynamicCache ms per token and graphed's speedup over it (of
+    the most a graph of the step could give, DynamicCache over the floor), and
     whether the tokens equal transformers' (which cache); failures show their
     error."""
     lines = [f"### hf_decode_models ({record.get('prompt')}-token prompts, "
@@ -85,7 +92,7 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
              "| model | batch | graphed | kernel floor | x floor | x the call's kernels "
              "| decode step alone (x floor) | transformers' step floor (x) "
              "| HF dynamic "
-             "| x HF dynamic | same tokens | notes |",
+             "| x HF dynamic (of the most) | same tokens | notes |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     batches = record.get("batches") or [1, 8]
     for name, model in record.get("models", {}).items():
@@ -115,7 +122,8 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
                 f"{_cell(row.get('decode_ms_per_token'))} "
                 f"({_cell(row.get('decode_ratio_to_floor'), 2)}) | "
                 f"{_hf_floor(row)} | "
-                f"{_cell(row.get('hf_dynamic_ms_per_token'))} | {_cell(speedup, 2)} | {same} | "
+                f"{_cell(row.get('hf_dynamic_ms_per_token'))} | {_cell(speedup, 2)}"
+                f"{_bound(row.get('max_speedup_vs_hf_dynamic'))} | {same} | "
                 f"{'; '.join(notes)} |")
     lines.append("")
     return lines

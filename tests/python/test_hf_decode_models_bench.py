@@ -68,6 +68,7 @@ def test_the_table_the_opt_in_workload_and_the_summary(bench, tmp_path, capsys):
             "decode_ms_per_token": 0.48, "decode_ratio_to_floor": 1.2,
             "hf_kernel_floor_ms": 0.625, "ratio_to_hf_floor": 0.8,
             "hf_dynamic_ms_per_token": 10.0, "speedup_vs_hf_dynamic": 20.0,
+            "max_speedup_vs_hf_dynamic": 25.0,
             "same_tokens": True, "compared_with": "hf_static",
             "graph_notes": ["Mamba2ForCausalLM decodes on its recurrent states, sized for 1 "
                             "rows"]},
@@ -78,12 +79,13 @@ def test_the_table_the_opt_in_workload_and_the_summary(bench, tmp_path, capsys):
                           "errors": {"kernel_floor": {"error": "no profiler"}}}}}}
     text = "\n".join(bench.markdown(record))
     assert ("| mamba2 | 1 | 0.5000 | 0.4000 | 1.25 | 1.21 | 0.4800 (1.20) | 0.6250 (0.80) "
-            "| 10.0000 | 20.00 | "
+            "| 10.0000 | 20.00 (of 25.00) | "
             "True (vs hf_static) | "
             "state-space states sized once |") in text
     assert "| mamba2 | 8 | FAILED: RuntimeError: boom |" in text
     assert "| gpt_oss | | FAILED: ImportError: no gpt-oss |" in text
     assert "False (vs hf_dynamic), 50.0% of new tokens | kernel_floor failed: no profiler" in text
+    assert "(of " not in text.split("| gemma3 |")[1]  # no floor, no bound
     run = _load("bench_run_decode_models", "bench/run.py")
     assert "hf_decode_models" in run.WORKLOADS and "hf_decode_models" in run.OPT_IN
     assert "### hf_decode_models" in run.markdown({"workloads": {"hf_decode_models": record}})
@@ -121,6 +123,7 @@ def test_the_quick_cpu_smoke_run_gives_transformers_tokens(bench, tmp_path, caps
             assert row["new_tokens_equal_fraction"] == 1.0
             assert row["ms_per_token"] > 0 and row["hf_dynamic_ms_per_token"] > 0
             assert row["speedup_vs_hf_dynamic"] > 0
+            assert row["max_speedup_vs_hf_dynamic"] is None  # no floor on the CPU
             assert row["prefill_call_ms"] > 0 and row["decode_ms_per_token"] is not None
             assert row["decode_ratio_to_floor"] is None  # no floor on the CPU
             # No GPU kernels to sum on the CPU: the floor says why it is missing.
