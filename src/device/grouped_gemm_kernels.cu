@@ -494,11 +494,10 @@ __global__ void __launch_bounds__(kThreads) grouped_mm_few_rows_kernel(GroupedMm
   }
   const T* a = static_cast<const T*>(mm.a);
   const T* b = static_cast<const T*>(mm.b) + y * mm.b_stride[0];
-  const int64_t k_stride = mm.b_stride[1] < 0 ? -mm.b_stride[1] : mm.b_stride[1];
-  const int64_t n_stride = mm.b_stride[2] < 0 ? -mm.b_stride[2] : mm.b_stride[2];
+  const bool along_k = reads_along_k(Operand<T>{b, mm.b_stride[2], mm.b_stride[1], cols});
   for (int64_t r0 = start; r0 < end; r0 += kFewRowsPerPass) {
     const int64_t count = min64(kFewRowsPerPass, end - r0);
-    if (k_stride < n_stride) {
+    if (along_k) {
       few_rows_along_k(mm, a, b, r0, count, n0, cols, out);
     } else {
       few_rows_along_n(mm, a, b, r0, count, n0, cols, out);
