@@ -1,6 +1,7 @@
-"""The hf_decode table (bench/hf_decode.py's record) and the hf_decode_models
-table (bench/hf_decode_models.py's), without importing graphed or torch, for
-bench/run.py and scripts/gpu_check_summary.py."""
+"""The hf_decode table (bench/hf_decode.py's record), the hf_decode_models
+table (bench/hf_decode_models.py's) and the hf_serving table
+(bench/hf_serving.py's), without importing graphed or torch, for bench/run.py
+and scripts/gpu_check_summary.py."""
 
 from __future__ import annotations
 
@@ -125,5 +126,43 @@ def models_markdown(record: Dict[str, Any]) -> List[str]:
                 f"{_cell(row.get('hf_dynamic_ms_per_token'))} | {_cell(speedup, 2)}"
                 f"{_bound(row.get('max_speedup_vs_hf_dynamic'))} | {same} | "
                 f"{'; '.join(notes)} |")
+    lines.append("")
+    return lines
+
+
+def _fraction(value: Any) -> str:
+    return f"{value:.0%}" if isinstance(value, (int, float)) else "-"
+
+
+def serving_markdown(workload: Dict[str, Any]) -> List[str]:
+    """bench/hf_serving.py's rows: tokens per second per path and model,
+    graphed's speedup over transformers' fastest continuous batching, and the
+    token agreement: graphed's requests equal to transformers' continuous
+    batching (the fraction of requests where not all are), beside how often
+    transformers' continuous batching equals its own static batch (near-tied
+    logits that a batch's shape flips make that the most one can ask)."""
+    lines = [f"### hf_serving (tokens per second, higher is better; fp32 models with TF32 "
+             f"{'on' if workload.get('tf32') else 'off'})", "",
+             "| model | graphed (first pass) | HF generate_batch | "
+             "HF generate_batch, CUDA graphs | HF static batch | x fastest HF generate_batch | "
+             "same tokens (requests) | HF generate_batch = its static batch (requests) | "
+             "p50 / p99 ms per token |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    for name, row in workload.get("models", {}).items():
+        if "error" in row:
+            lines.append(f"| {name} | FAILED: {row['error'][:200]} |" + " |" * 7)
+            continue
+        graphs = row.get("hf_generate_batch_cuda_graphs_tokens_per_s")
+        graphs = graphs if isinstance(graphs, (int, float)) else f"failed: {str(graphs)[:80]}"
+        same = row.get("same_tokens")
+        if same is False:
+            same = f"False ({_fraction(row.get('same_tokens_fraction'))})"
+        lines.append(f"| {name} | {row.get('graphed_tokens_per_s')} "
+                     f"({row.get('graphed_first_pass_tokens_per_s', '-')}) | "
+                     f"{row.get('hf_generate_batch_tokens_per_s')} | {graphs} | "
+                     f"{row.get('hf_generate_static_batch_tokens_per_s')} | "
+                     f"{row.get('speedup_vs_fastest_hf_generate_batch', '-')} | {same} | "
+                     f"{_fraction(row.get('hf_generate_batch_vs_static_batch_fraction'))} | "
+                     f"{row.get('p50_ms_per_token')} / {row.get('p99_ms_per_token')} |")
     lines.append("")
     return lines

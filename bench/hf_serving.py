@@ -52,6 +52,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+import hf_decode_report
+
 REQUESTS, PROMPT_RANGE, BUDGET_RANGE = 64, (16, 512), (32, 256)
 QUICK_REQUESTS, QUICK_PROMPTS, QUICK_BUDGETS = 16, (16, 128), (8, 32)
 ALONE = 4  # requests compared with model.generate on each alone
@@ -407,24 +409,9 @@ def run(quick: bool = False, models=MODELS, device: str = "cuda", tf32: bool = T
 
 
 def markdown(workload: Dict[str, Any]) -> List[str]:
-    """The workload's table: tokens per second per path and model."""
-    lines = ["### hf_serving (tokens per second, higher is better)", "",
-             "| model | graphed | HF generate_batch | HF generate_batch, CUDA graphs | "
-             "HF static batch | same tokens | p50 / p99 ms per token |",
-             "|---|---:|---:|---:|---:|---|---|"]
-    for name, row in workload.get("models", {}).items():
-        if "error" in row:
-            lines.append(f"| {name} | FAILED: {row['error'][:200]} | | | | | |")
-            continue
-        graphs = row.get("hf_generate_batch_cuda_graphs_tokens_per_s")
-        graphs = graphs if isinstance(graphs, (int, float)) else f"failed: {str(graphs)[:80]}"
-        lines.append(f"| {name} | {row.get('graphed_tokens_per_s')} | "
-                     f"{row.get('hf_generate_batch_tokens_per_s')} | {graphs} | "
-                     f"{row.get('hf_generate_static_batch_tokens_per_s')} | "
-                     f"{row.get('same_tokens')} | {row.get('p50_ms_per_token')} / "
-                     f"{row.get('p99_ms_per_token')} |")
-    lines.append("")
-    return lines
+    """The workload's table (bench/hf_decode_report.py, which imports neither
+    graphed nor torch, for scripts/gpu_check_summary.py)."""
+    return hf_decode_report.serving_markdown(workload)
 
 
 def parse_args(argv=None):

@@ -105,8 +105,8 @@ def main(out, bench_name="h200.json", logs=None):
         if "apis" in data:
             print(f"| {workload} | see the soak table | | | | | |")
             continue
-        if workload == "hf_decode_models":
-            print(f"| {workload} | see the hf_decode_models table | | | | | |")
+        if workload in ("hf_decode_models", "hf_serving"):
+            print(f"| {workload} | see the {workload} table | | | | | |")
             continue
         if "models" in data:
             print(f"| {workload} | see the zoo tables | | | | | |")
@@ -140,6 +140,9 @@ def main(out, bench_name="h200.json", logs=None):
         if workload == "hf_decode_models" and "error" not in data:
             print()
             print(_hf_decode_models_markdown(data))
+        elif workload == "hf_serving" and "error" not in data:
+            print()
+            print(_hf_serving_markdown(data))
         elif "models" in data and "steps" in data:  # zoo_modern
             print()
             print(_zoo_modern_markdown(data))
@@ -175,6 +178,13 @@ def _hf_decode_models_markdown(data):
     import hf_decode_report  # without importing graphed or torch
 
     return "\n".join(hf_decode_report.models_markdown(data))
+
+
+def _hf_serving_markdown(data):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import hf_decode_report  # without importing graphed or torch
+
+    return "\n".join(hf_decode_report.serving_markdown(data))
 
 
 def _auto_overhead_markdown(data):
