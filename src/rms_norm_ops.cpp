@@ -6,7 +6,9 @@
 //   variance = h.pow(2).mean(-1, keepdim=True)   (square, mean)
 //   h = h * rsqrt(variance + eps)                (sum, root, product)
 //   return weight * h.to(input_dtype)            (product)
-// six float32 kernels, eight gated, each a microsecond at decode sizes. After
+// six float32 kernels, eight gated, each a microsecond at decode sizes;
+// Gemma's modules scale by (1.0 + weight), a seventh kernel on the weight
+// before the product. After
 // the fused state updates (Note [Fused state-space decode steps]) they were
 // 14 of the 26 kernels of a Mamba2 layer's decode step, and in a step graph
 // each costs its run time and a gap before the next.
@@ -20,11 +22,12 @@
 //   2. ATen's own mean on those squares (the reference's kernel, on a tensor
 //      of the reference's layout: contiguous, as the reference's product
 //      makes it, or what ATen's pow makes of the input),
-//   3. the sum with eps, the root and both products in one kernel,
+//   3. the sum with eps, the root and both products in one kernel (with
+//      Gemma's 1 + weight, rounded as ATen's add rounds it, before its product),
 // three kernels either way, each expression rounded as its ATen kernel
 // rounds it (rms_norm_kernels.cu). graphed's decoders swap the modules'
 // forwards for it during their eager steps and check the first call against
-// the module's own forward to the bit (python/graphed/_state_space_kernels.py),
+// the module's own forward to the bit (python/graphed/_decode_norms.py),
 // so a torch whose kernels round otherwise keeps transformers' forward.
 // The layout of the result (contiguous) is the reference's for every input
 // taken: its products are of a contiguous or non-dense operand.
@@ -156,7 +159,7 @@ std::optional<std::string> rms_norm_refusal(const at::Tensor& hidden, const at::
 }
 
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& gate, const at::Tensor& weight,
-                    double eps) {
+                    double eps, bool weight_plus_one) {
   const auto why = rms_norm_refusal(hidden, gate, weight);
   GRAPHED_CHECK(!why, *why);
   const c10::cuda::CUDAGuard guard(hidden.device());
@@ -194,6 +197,7 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& gate, const at::
   s.weight = weight.data_ptr<float>();
   s.weight_stride = weight.stride(0);
   s.eps = static_cast<float>(eps);
+  s.weight_plus_one = weight_plus_one;
   s.out = out.data_ptr<float>();
   s.rows = rows;
   s.cols = cols;

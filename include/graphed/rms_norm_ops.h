@@ -3,10 +3,11 @@
 /// \file rms_norm_ops.h
 /// transformers' RMSNorm forward in three kernels instead of six or eight
 /// (issue 27): the body LlamaRMSNorm, Mamba2RMSNorm and their copies share,
-/// and Mamba2's gated MambaRMSNormGated, bitwise their float32 results (Note
-/// [RMSNorm in three kernels] in src/rms_norm_ops.cpp). graphed.generate and
-/// graphed.Decoder use it in the decode steps of transformers'
-/// state-space models, whose step graphs are mostly such small kernels.
+/// Gemma's (1 + weight) and Mamba2's gated MambaRMSNormGated, bitwise their
+/// float32 results (Note [RMSNorm in three kernels] in src/rms_norm_ops.cpp).
+/// graphed.generate and graphed.Decoder use it in the decode steps of
+/// transformers' float32 models, whose step graphs are mostly such small
+/// kernels (Note [RMSNorm in every decode step]).
 
 #include <ATen/core/Tensor.h>
 
@@ -29,10 +30,12 @@ std::optional<std::string> rms_norm_refusal(const at::Tensor& hidden, const at::
 /// hidden * silu(gate) when `gate` is defined, as transformers' float32
 /// RMSNorm modules compute it, to the bit: the mean is ATen's own reduction
 /// kernel on the same squares, the rest two elementwise kernels rounding as
-/// ATen's do. Returns a new contiguous tensor of hidden's shape. Throws
-/// graphed::Error with rms_norm_refusal's reason when it does not take the
-/// arguments.
+/// ATen's do. With `weight_plus_one`, (1 + weight) scales in place of weight,
+/// as Gemma's RMSNorm modules (Gemma, Gemma 2, Gemma 3) compute
+/// h * (1.0 + weight). Returns a new contiguous tensor of hidden's shape.
+/// Throws graphed::Error with rms_norm_refusal's reason when it does not take
+/// the arguments.
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& gate, const at::Tensor& weight,
-                    double eps);
+                    double eps, bool weight_plus_one = false);
 
 }  // namespace graphed

@@ -94,7 +94,8 @@ class StateSpaceModel:
         self._compiled_step = None
         # Note [Fused state-space decode steps]: eager steps (warm-ups, captures)
         # run graphed's kernels; a compiled step has Inductor's.
-        self.fused = FusedDecodeKernels(model, self.notes) if compile_options is None else None
+        fused = FusedDecodeKernels(model, self.notes) if compile_options is None else None
+        self.fused = fused if fused is not None and fused.applies else None
         if compile_options is not None:
             self._compiled_step = torch.compile(self._eager_step, **compile_options)
 

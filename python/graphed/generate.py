@@ -240,7 +240,7 @@ class _StaticCacheModel:
         self.extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         self.views = {}
         self._compiled_step = None
-        self.fused = None  # Note [Fused state-space decode steps]: hybrids' Mamba layers
+        self.fused = None  # graphed's kernels in eager steps, below
         if compile_options is not None:
             self._compiled_step = torch.compile(self._eager_step, **compile_options)
         _install_prefill_mask_rule()
@@ -253,12 +253,16 @@ class _StaticCacheModel:
                 self.prefill((zeros, None, zeros))
             self.views = {}  # built before the states existed
             self.reset()
-            if compile_options is None:
-                self.fused = FusedDecodeKernels(model, self.notes)
             self.notes.append(
                 f"{states} of {len(self.cache.layers)} layers of {type(model).__name__} are "
                 f"state-space layers: their recurrent states are sized for {max_batch} rows "
                 f"(Note [Decoding a state-space model on graphs])")
+        if compile_options is None:
+            # Note [RMSNorm in every decode step]; Note [Fused state-space
+            # decode steps] for hybrids' Mamba layers. A compiled step has
+            # Inductor's kernels.
+            fused = FusedDecodeKernels(model, self.notes)
+            self.fused = fused if fused.applies else None
 
     @property
     def model(self):

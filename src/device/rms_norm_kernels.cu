@@ -36,8 +36,11 @@ __global__ void rms_norm_scale_kernel(RmsNormScale s) {
     const int64_t r = i / s.cols;
     const int64_t c = i - r * s.cols;
     const float root = rsqrtf(__fadd_rn(s.variance[r], s.eps));
-    s.out[i] = __fmul_rn(s.weight[c * s.weight_stride],
-                         __fmul_rn(s.hidden[r * s.hidden_row_stride + c], root));
+    const float weight = s.weight[c * s.weight_stride];
+    // Gemma's (1.0 + weight) is its own ATen kernel (weight + 1.0), then a
+    // product; a product of two floats rounds the same in either order.
+    const float scale = s.weight_plus_one ? __fadd_rn(weight, 1.0f) : weight;
+    s.out[i] = __fmul_rn(scale, __fmul_rn(s.hidden[r * s.hidden_row_stride + c], root));
   }
 }
 

@@ -29,7 +29,8 @@ struct RmsNormGate {
 };
 
 /// out[r, c] = weight[c] * (hidden[r, c] * rsqrt(variance[r] + eps)), out
-/// contiguous, variance one value per row (contiguous).
+/// contiguous, variance one value per row (contiguous); with
+/// weight_plus_one, (1 + weight[c]) in place of weight[c] (Gemma's norms).
 struct RmsNormScale {
   const float* hidden = nullptr;
   int64_t hidden_row_stride = 0;
@@ -37,6 +38,7 @@ struct RmsNormScale {
   const float* weight = nullptr;
   int64_t weight_stride = 1;
   float eps = 0.0f;
+  bool weight_plus_one = false;
   float* out = nullptr;
   int64_t rows = 0;
   int64_t cols = 0;

@@ -34,7 +34,14 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
     decoder = model.__dict__["_graphed_decoder"]
     report = {r["batch"]: r for r in decoder.memory_report() if r["kind"] == "decode"}
     assert report[batch]["captured"] and report[batch]["replays"] == 39
-    assert bool(decoder.notes) == (arch in SLIDING_FP32), decoder.notes
+    notes = decoder.notes
+    assert any("sliding window" in note for note in notes) == (arch in SLIDING_FP32), notes
+    # Note [RMSNorm in every decode step]: every RMSNorm model (GPT-2 has
+    # LayerNorms), checked to the bit on its first call (no "differed").
+    assert any("run graphed's rms_norm" in note for note in notes) == (arch != "gpt2"), notes
+    assert not any("differed" in note for note in notes), notes
+    fused = decoder._adapter[0].fused
+    assert (fused is not None and set(fused.verdicts.values()) == {True}) == (arch != "gpt2")
 
 
 @pytest.mark.parametrize("arch", ("gpt_oss",) + HYBRID_ARCHITECTURES)

@@ -71,7 +71,8 @@ def test_the_table_the_opt_in_workload_and_the_summary(bench, tmp_path, capsys):
             "max_speedup_vs_hf_dynamic": 25.0,
             "same_tokens": True, "compared_with": "hf_static",
             "graph_notes": ["Mamba2ForCausalLM decodes on its recurrent states, sized for 1 "
-                            "rows"]},
+                            "rows", "the RMSNorms of the decode steps (5 Mamba2RMSNorm) run "
+                            "graphed's rms_norm, 3 kernels in place of 6"]},
             "b8": {"error": "RuntimeError: boom"}},
         "gpt_oss": {"error": "ImportError: no gpt-oss"},
         "gemma3": {"b1": {"ms_per_token": 1.0, "same_tokens": False,
@@ -81,7 +82,7 @@ def test_the_table_the_opt_in_workload_and_the_summary(bench, tmp_path, capsys):
     assert ("| mamba2 | 1 | 0.5000 | 0.4000 | 1.25 | 1.21 | 0.4800 (1.20) | 0.6250 (0.80) "
             "| 10.0000 | 20.00 (of 25.00) | "
             "True (vs hf_static) | "
-            "state-space states sized once |") in text
+            "state-space states sized once; RMSNorms in 3 kernels (bitwise) |") in text
     assert "| mamba2 | 8 | FAILED: RuntimeError: boom |" in text
     assert "| gpt_oss | | FAILED: ImportError: no gpt-oss |" in text
     assert "False (vs hf_dynamic), 50.0% of new tokens | kernel_floor failed: no profiler" in text

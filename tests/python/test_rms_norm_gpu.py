@@ -1,7 +1,8 @@
 """graphed's RMSNorm in three kernels (Note [RMSNorm in three kernels] in
 src/rms_norm_ops.cpp) on a GPU (marked ``gpu``): bitwise equal to
-transformers' float32 modules (Mamba2RMSNorm, LlamaRMSNorm, MambaRMSNormGated
-with and without its gate) at decode and prefill sizes, with the gate a slice
+transformers' float32 modules (Mamba2RMSNorm, LlamaRMSNorm, GptOssRMSNorm,
+Gemma 2 and 3's with 1 + weight, MambaRMSNormGated with and without its gate)
+at decode and prefill sizes, with the gate a slice
 of a projection as Mamba2Mixer passes it; inside a CUDA graph, replayed with
 new inputs; and refusals (bfloat16, grad, a broadcast gate) that run
 nothing."""
@@ -25,7 +26,8 @@ def _norm(family, name, cols, seed):
 
 
 @pytest.mark.parametrize("rows, seq, cols", [(1, 1, 512), (8, 1, 1024), (3, 1, 7), (2, 32, 256)])
-@pytest.mark.parametrize("family, name", [("mamba2", "Mamba2RMSNorm"), ("llama", "LlamaRMSNorm")])
+@pytest.mark.parametrize("family, name", [("mamba2", "Mamba2RMSNorm"), ("llama", "LlamaRMSNorm"),
+                                          ("gpt_oss", "GptOssRMSNorm")])
 def test_the_plain_norm_is_transformers_to_the_bit(rows, seq, cols, family, name):
     pytest.importorskip("transformers")
     norm = _norm(family, name, cols, seed=cols)
@@ -41,6 +43,31 @@ def test_the_plain_norm_is_transformers_to_the_bit(rows, seq, cols, family, name
         got_sliced = _C.try_rms_norm(sliced, None, norm.weight, norm.variance_epsilon)
     assert got is not None and got.shape == want.shape and torch.equal(got, want)
     assert got_sliced is not None and torch.equal(got_sliced, want_sliced)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 512), (8, 512), (3, 7)])
+@pytest.mark.parametrize("family, name", [("gemma3", "Gemma3RMSNorm"), ("gemma2", "Gemma2RMSNorm")])
+def test_gemmas_one_plus_weight_norm_is_transformers_to_the_bit(rows, cols, family, name):
+    # Note [RMSNorm in every decode step]: Gemma's (1 + weight), on the hidden
+    # states and on its q/k norms' input at decode, [rows, heads, 1, head_dim]
+    # transposed from the projection's [rows, 1, heads, head_dim].
+    pytest.importorskip("transformers")
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(module, name)(cols, eps=1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(cols, generator=torch.Generator().manual_seed(cols)) / 4)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    hidden = torch.randn(rows, 1, cols, device="cuda", generator=g) * 3
+    heads = torch.randn(rows, 1, 4, cols, device="cuda", generator=g).transpose(1, 2)
+    with torch.no_grad():
+        for x in (hidden, heads):
+            want = norm(x)
+            got = _C.try_rms_norm(x, None, norm.weight, norm.eps, True)
+            assert got is not None and got.shape == want.shape and torch.equal(got, want)
+            # Without the flag the result is Llama's: the flag is what adds the one.
+            assert not torch.equal(_C.try_rms_norm(x, None, norm.weight, norm.eps), want)
 
 
 @pytest.mark.parametrize("rows, seq, cols", [(1, 1, 1024), (8, 1, 1024), (5, 1, 96), (2, 32, 256)])
