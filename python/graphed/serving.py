@@ -19,6 +19,7 @@ from ._autocast_cache import convert_states_to_cache_dtype
 from . import _C
 from ._experts import capturable_experts
 from ._state_space_decoding import StateSpaceModel, is_state_layer, mark_previous_state
+from ._state_space_kernels import FusedDecodeKernels
 from .generate import (_call_step, _check_model, _compile_options, _input_vocabulary,
                        _install_prefill_mask_rule, _is_state_space, _sampling_key, _settings,
                        _unroll_sliding_windows)
@@ -138,6 +139,12 @@ class SlotCacheModel:
             self.notes.append(
                 f"{states} of {len(self.cache.layers)} layers of {type(model).__name__} are "
                 f"state-space layers: one state per slot, overwritten by the slot's prefill")
+        self.fused = None
+        if compile_options is None:
+            # As in graphed.generate's steps: Note [RMSNorm in every decode step],
+            # Note [Fused state-space decode steps]. A compiled step has Inductor's.
+            fused = FusedDecodeKernels(model, self.notes)
+            self.fused = fused if fused.applies else None
 
     @property
     def model(self):
@@ -208,7 +215,10 @@ class SlotCacheModel:
 
     def step(self, args):
         mark_previous_state(self.cache, True)
-        return _call_step(self._compiled_step, self._eager_step, args)
+        if self.fused is None:
+            return _call_step(self._compiled_step, self._eager_step, args)
+        with self.fused.active():
+            return self._eager_step(*args)
 
 
 class SlotStateSpaceModel(StateSpaceModel):
@@ -218,8 +228,10 @@ class SlotStateSpaceModel(StateSpaceModel):
 
     def __init__(self, model, max_batch, max_len, compile_options=None):
         super().__init__(model, max_batch, max_len, compile_options)
-        self.notes = [f"{type(model).__name__} serves one request per row of its recurrent "
-                      f"states ({max_batch} slots)"]
+        # The first note (one static batch) becomes the served one; the fused
+        # kernels' notes stay.
+        self.notes[0] = (f"{type(model).__name__} serves one request per row of its recurrent "
+                         f"states ({max_batch} slots)")
         self.slot_views = {}
 
     def slot_view(self, slot):
@@ -260,8 +272,7 @@ class Serving:
         adapter_class = SlotStateSpaceModel if _is_state_space(model) else SlotCacheModel
         adapter = adapter_class(model, max_batch, max_len, compile_options)
         self._adapter = adapter
-        self.notes = list(adapter.notes)
-        self.notes += capturable_experts(model) if device.type == "cuda" else []
+        self._expert_notes = capturable_experts(model) if device.type == "cuda" else []
         held = weakref.ref(adapter)
         self._core = _C.Decoder(
             step=lambda args: held().step(args), prefill=_no_prefill,
@@ -277,6 +288,12 @@ class Serving:
                 self._core, lambda args: held().prefill(args), chunk_steps=chunk_steps,
                 eos_token_ids=settings["eos_token_ids"], prefills_per_round=prefills_per_round)
         self.results = {}
+
+    @property
+    def notes(self):
+        """What the adapter and the experts' switch found, read when asked: a
+        fused kernel's first-call check adds its note during the first steps."""
+        return list(self._adapter.notes) + list(self._expert_notes)
 
     @property
     def max_batch(self):

@@ -313,6 +313,9 @@ def test_graphs_give_every_request_its_tokens_alone(arch):
         assert tokens == _hf_alone(model, prompt, budget, max_len, eos_token_id=None)
     serving = model.__dict__["_graphed_serving"]
     assert all(r["captured"] for r in serving.memory_report() if r["kind"] == "decode")
+    # The served steps run graphed's RMSNorm as generate's do, checked to the bit.
+    assert any("run graphed's rms_norm" in note for note in serving.notes), serving.notes
+    assert serving._adapter.fused.verdicts == {"rms_norm": True}, serving.notes
 
 
 @pytest.mark.gpu
@@ -370,6 +373,11 @@ def test_graphs_serve_a_state_space_model_and_a_hybrid():
                                  eos_token_id=None, max_len=max_len)
     for prompt, budget, tokens in zip(prompts, budgets, got):
         assert tokens == _hf_alone(hybrid, prompt, budget, max_len, eos_token_id=None)
+    # Both serve on graphed's fused state-space steps and RMSNorms, as generate does.
+    for model in (mamba, hybrid):
+        serving = model.__dict__["_graphed_serving"]
+        assert any("fused selective state update" in n for n in serving.notes), serving.notes
+        assert set(serving._adapter.fused.verdicts.values()) == {True}, serving.notes
 
 
 @pytest.mark.gpu
