@@ -1,14 +1,15 @@
 // Note [RMSNorm in three kernels]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // transformers writes its RMSNorm modules as a chain of ATen calls:
-//   h = hidden.to(float32)                       (nothing in float32)
+//   h = hidden.to(float32)                       (a cast; nothing in float32)
 //   h = h * silu(gate.to(float32))               (gated: SiLU, product)
 //   variance = h.pow(2).mean(-1, keepdim=True)   (square, mean)
 //   h = h * rsqrt(variance + eps)                (sum, root, product)
-//   return weight * h.to(input_dtype)            (product)
-// six float32 kernels, eight gated, each a microsecond at decode sizes;
-// Gemma's modules scale by (1.0 + weight), a seventh kernel on the weight
-// before the product. After
+//   return weight * h.to(input_dtype)            (a cast, a product)
+// six float32 kernels, eight gated, each a microsecond at decode sizes, and
+// two casts more in bfloat16 or float16; Gemma's modules scale by
+// (1.0 + weight), a kernel on the weight before the product, and gpt-oss's,
+// OLMo 2's and Gemma's take the product in float32 before the cast. After
 // the fused state updates (Note [Fused state-space decode steps]) they were
 // 14 of the 26 kernels of a Mamba2 layer's decode step, and in a step graph
 // each costs its run time and a gap before the next.
@@ -18,12 +19,16 @@
 // depends on the shape and the GPU, and a tree of our own rounds differently,
 // so greedy tokens would no longer be transformers'. What can be fused
 // without changing a bit is everything around the sum. rms_norm runs
-//   1. the gate and the squares in one kernel (gated) or ATen's pow (plain),
+//   1. the gate and the squares in one kernel (gated), ATen's pow (plain
+//      float32) or the cast and the square in one kernel (plain bfloat16 or
+//      float16, into the layout the reference's cast makes),
 //   2. ATen's own mean on those squares (the reference's kernel, on a tensor
 //      of the reference's layout: contiguous, as the reference's product
 //      makes it, or what ATen's pow makes of the input),
-//   3. the sum with eps, the root and both products in one kernel (with
-//      Gemma's 1 + weight, rounded as ATen's add rounds it, before its product),
+//   3. the sum with eps, the root, both products and the casts in one kernel
+//      (with Gemma's 1 + weight, rounded as ATen's add rounds it, before its
+//      product; the cast before the weight's product in Llama's form, after
+//      it in the others),
 // three kernels either way, each expression rounded as its ATen kernel
 // rounds it (rms_norm_kernels.cu). graphed's decoders swap the modules'
 // forwards for it during their eager steps and check the first call against
@@ -90,11 +95,6 @@ std::optional<std::string> tensor_refusal(const char* name, const at::Tensor& t,
     return c10::str("Expected ", kFunction, "'s ", name, " on ", first.device(),
                     " with its other arguments, got ", describe(t), "; move them to one GPU.");
   }
-  if (t.scalar_type() != at::kFloat) {
-    return c10::str("Expected ", kFunction, "'s ", name, " in float32, got ", describe(t),
-                    "; other dtypes keep transformers' forward, whose roundings the fused ",
-                    "kernels reproduce in float32 only.");
-  }
   if (c10::GradMode::is_enabled() && t.requires_grad()) {
     return c10::str("Expected ", kFunction, "'s ", name, " not to require grad (a decode step ",
                     "runs under no_grad), got one that does; the fused kernels have no ",
@@ -112,6 +112,19 @@ std::optional<std::string> layout_refusal(const char* name, const at::Tensor& t)
   return std::nullopt;
 }
 
+std::optional<device::RmsNormType> element_type(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return device::RmsNormType::kFloat32;
+    case at::kBFloat16:
+      return device::RmsNormType::kBFloat16;
+    case at::kHalf:
+      return device::RmsNormType::kFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
 cudaStream_t stream_of(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
@@ -127,6 +140,18 @@ std::optional<std::string> rms_norm_refusal(const at::Tensor& hidden, const at::
   if (hidden.dim() == 0 || hidden.numel() == 0) {
     return c10::str("Expected ", kFunction, "'s hidden states with at least one dimension and ",
                     "one element, got ", describe(hidden), "; transformers' forward runs.");
+  }
+  if (!element_type(hidden.scalar_type())) {
+    return c10::str("Expected ", kFunction, "'s hidden states in float32, bfloat16 or float16, ",
+                    "got ", describe(hidden), "; other dtypes keep transformers' forward.");
+  }
+  for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"gate", gate},
+                                {"weight", weight}}) {
+    if (t.defined() && t.scalar_type() != hidden.scalar_type()) {
+      return c10::str("Expected ", kFunction, "'s ", name, " in the hidden states' dtype (",
+                      hidden.scalar_type(), "), got ", describe(t), "; transformers' forward ",
+                      "promotes mixed dtypes, which the fused kernels do not reproduce.");
+    }
   }
   for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"hidden states", hidden},
                                 {"gate", gate},
@@ -159,46 +184,76 @@ std::optional<std::string> rms_norm_refusal(const at::Tensor& hidden, const at::
 }
 
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& gate, const at::Tensor& weight,
-                    double eps, bool weight_plus_one) {
+                    double eps, bool weight_plus_one, bool round_before_weight) {
   const auto why = rms_norm_refusal(hidden, gate, weight);
   GRAPHED_CHECK(!why, *why);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const cudaStream_t stream = stream_of(hidden);
+  const device::RmsNormType type = *element_type(hidden.scalar_type());
   const int64_t cols = hidden.size(-1);
   const int64_t rows = hidden.numel() / cols;
 
-  at::Tensor normed = hidden;  // what the root scales: the gated product or the input
+  // What the root scales: the input, or the gated product in float32.
+  const void* normed = hidden.data_ptr();
   int64_t normed_row_stride = *row_stride(hidden);
+  bool normed_is_float32 = type == device::RmsNormType::kFloat32;
+  at::Tensor gated;
   at::Tensor squares;
   if (gate.defined()) {
-    normed = at::empty(hidden.sizes(), hidden.options());
-    squares = at::empty(hidden.sizes(), hidden.options());
+    const auto as_float = hidden.options().dtype(at::kFloat);
+    gated = at::empty(hidden.sizes(), as_float);
+    squares = at::empty(hidden.sizes(), as_float);
     device::RmsNormGate g;
-    g.hidden = hidden.data_ptr<float>();
+    g.hidden = hidden.data_ptr();
     g.hidden_row_stride = normed_row_stride;
-    g.gate = gate.data_ptr<float>();
+    g.gate = gate.data_ptr();
     g.gate_row_stride = *row_stride(gate);
-    g.gated = normed.data_ptr<float>();
+    g.type = type;
+    g.gated = gated.data_ptr<float>();
     g.squares = squares.data_ptr<float>();
     g.rows = rows;
     g.cols = cols;
     GRAPHED_CHECK_CUDA(device::launch_rms_norm_gate(g, stream));
+    normed = gated.data_ptr();
     normed_row_stride = cols;
-  } else {
+    normed_is_float32 = true;
+  } else if (type == device::RmsNormType::kFloat32) {
     squares = at::pow(hidden, 2);
+  } else {
+    // The reference squares hidden.to(float32), whose layout empty_like
+    // gives (both keep a dense input's strides): the mean then reduces the
+    // same tensor in the same order.
+    squares = at::empty_like(hidden, hidden.options().dtype(at::kFloat));
+    const auto squares_row_stride = row_stride(squares);
+    GRAPHED_CHECK(squares_row_stride,
+                  "Expected the float32 squares of ", describe(hidden), " with one row stride, ",
+                  "got strides ", squares.strides(), "; this is a bug in graphed, please report "
+                  "it.");
+    device::RmsNormSquares q;
+    q.hidden = hidden.data_ptr();
+    q.hidden_row_stride = normed_row_stride;
+    q.type = type;
+    q.squares = squares.data_ptr<float>();
+    q.squares_row_stride = *squares_row_stride;
+    q.rows = rows;
+    q.cols = cols;
+    GRAPHED_CHECK_CUDA(device::launch_rms_norm_squares(q, stream));
   }
   const at::Tensor variance = at::mean(squares, {-1}, /*keepdim=*/true).contiguous();
 
   at::Tensor out = at::empty(hidden.sizes(), hidden.options());
   device::RmsNormScale s;
-  s.hidden = normed.data_ptr<float>();
+  s.hidden = normed;
   s.hidden_row_stride = normed_row_stride;
+  s.hidden_is_float32 = normed_is_float32;
   s.variance = variance.data_ptr<float>();
-  s.weight = weight.data_ptr<float>();
+  s.weight = weight.data_ptr();
   s.weight_stride = weight.stride(0);
+  s.type = type;
   s.eps = static_cast<float>(eps);
   s.weight_plus_one = weight_plus_one;
-  s.out = out.data_ptr<float>();
+  s.round_before_weight = round_before_weight;
+  s.out = out.data_ptr();
   s.rows = rows;
   s.cols = cols;
   GRAPHED_CHECK_CUDA(device::launch_rms_norm_scale(s, stream));

@@ -2,7 +2,7 @@
 src/rms_norm_ops.cpp) in place of transformers' RMSNorm modules' forwards
 while a decoder's adapter runs a decode step eagerly (its warm-ups and the
 capture), so that the decode graphs record three kernels per norm instead of
-six to eight. Each form is checked against the module's own forward on its
+six to ten. Each form is checked against the module's own forward on its
 first call, to the bit.
 
 Note [RMSNorm in every decode step]
@@ -13,15 +13,22 @@ leaves a gap of about as much before the next. The 4-layer Mistral of
 bench/hf_decode_models.py has 9 RMSNorms (2 per layer and the last): 54 of
 its step's 224 kernels at b8; its Gemma 3 has 25 (6 per layer: q and k norms
 and two more around each block), 7 kernels each with (1 + weight): 175 of
-367. The three-kernel form computes the same bits
-(the mean is ATen's own kernel on the same squares), so it is used in every
-float32 decode step on a GPU, not only state-space models', which it was
-written for: greedy tokens stay transformers'. Measured in bench/hf_decode_models.py
-("transformers' step floor" is the same step with transformers' forwards).
+367. The three-kernel form computes the same bits (the mean is ATen's own
+kernel on the same squares), so it is used in every decode step on a GPU,
+not only state-space models', which it was written for, and in bfloat16 and
+float16 as well as float32 (their casts, two to three kernels more in
+transformers' forward, fold into graphed's): greedy tokens stay
+transformers'. Measured in bench/hf_decode_models.py ("transformers' step
+floor" is the same step with transformers' forwards; float32 at f3454c8:
+Gemma 3's step floor 0.82x transformers' at b1).
 
 A module is taken when its class computes one of the forms below, whatever
 it is called: its forward (and, for Gemma's, its _norm) parses to the form's
-source, docstrings and annotations aside. transformers 5.17 has these in
+source, docstrings and annotations aside. The forms differ where the result
+is rounded to the input's dtype (before the weight's product in Llama's,
+after it in gpt-oss's and Gemma's), which matters outside float32 only, so
+each has its own verdict. The kernels take a weight of the input's dtype;
+a float32 model run under autocast keeps transformers' forwards. transformers 5.17 has these in
 LlamaRMSNorm and its copies (Mistral, Qwen2/3, Qwen3-MoE, Phi-3, Granite,
 Mamba2RMSNorm, Bamba), gpt-oss's and OLMo 2's (weight * h, then the cast: the
 same bits in float32), Gemma, Gemma 2 and Gemma 3's (1 + weight) and Mamba2's
@@ -44,10 +51,13 @@ from . import _C
 
 class _Form(NamedTuple):
     """What a recognised RMSNorm computes: the verdict name of its check, the
-    attribute holding its epsilon, whether it scales by 1 + weight, and the
+    attribute holding its epsilon, whether it rounds the normalized value to
+    the input's dtype before the weight's product (Llama's weight *
+    h.to(input_dtype)) or after it, whether it scales by 1 + weight, and the
     other methods of the class whose source must match too."""
     kind: str
     epsilon: str
+    round_before_weight: bool = True
     weight_plus_one: bool = False
     helpers: Tuple[Tuple[str, str], ...] = ()
 
@@ -118,12 +128,11 @@ def _function_shape(source):
     return ast.dump(function.args) + "".join(ast.dump(statement) for statement in body)
 
 
-_PLAIN = _Form("rms_norm", "variance_epsilon")
 _FORMS = {
-    _function_shape(_LLAMA): _PLAIN,
-    _function_shape(_WEIGHT_THEN_CAST): _PLAIN,
+    _function_shape(_LLAMA): _Form("rms_norm", "variance_epsilon"),
+    _function_shape(_WEIGHT_THEN_CAST): _Form("rms_norm_cast_last", "variance_epsilon", False),
     _function_shape(_GATED): _Form("rms_norm_gated", "variance_epsilon"),
-    _function_shape(_GEMMA): _Form("rms_norm_plus_one", "eps", True,
+    _function_shape(_GEMMA): _Form("rms_norm_plus_one", "eps", False, True,
                                    (("_norm", _function_shape(_GEMMA_NORM)),)),
 }
 
@@ -156,9 +165,10 @@ def _form(module) -> Optional[_Form]:
 
 
 def rms_norm_kind(module) -> Optional[str]:
-    """"rms_norm", "rms_norm_gated" or "rms_norm_plus_one" (Gemma's) when
-    ``module``'s class computes one of the forwards graphed's rms_norm
-    reproduces (with a tensor ``weight`` and a float epsilon), else None."""
+    """"rms_norm" (Llama's), "rms_norm_cast_last" (gpt-oss's), "rms_norm_gated"
+    or "rms_norm_plus_one" (Gemma's) when ``module``'s class computes one of
+    the forwards graphed's rms_norm reproduces (with a tensor ``weight`` and a
+    float epsilon), else None."""
     form = _form(module)
     return None if form is None else form.kind
 
@@ -181,7 +191,7 @@ def _fused_forward(module, form: _Form, check: Callable):
 
         def fused(_):
             return _C.try_rms_norm(hidden_states, gate[0] if gate else None, module.weight,
-                                   epsilon, form.weight_plus_one)
+                                   epsilon, form.weight_plus_one, form.round_before_weight)
 
         if isinstance(hidden_states, torch.Tensor):
             out = check(name, fused, reference, hidden_states)

@@ -114,7 +114,9 @@ def _fused_conv1d_update(transformers_function, verdicts, on_mismatch):
 _FUSED = {_SELECTIVE: _fused_selective_state_update, _CONV: _fused_conv1d_update}
 
 _NOTE_OF = {kind: "RMSNorm in every decode step"
-            for kind in ("rms_norm", "rms_norm_gated", "rms_norm_plus_one")}
+            for kind in ("rms_norm", "rms_norm_cast_last", "rms_norm_gated", "rms_norm_plus_one")}
+# The dtypes graphed's rms_norm takes (src/rms_norm_ops.cpp).
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FusedDecodeKernels:
@@ -150,16 +152,15 @@ class FusedDecodeKernels:
         found = ", ".join(f"{len(ids)} {kind}" for kind, ids in sorted(layers.items()))
         dtype = getattr(model, "dtype", None)
         on_gpu = any(p.is_cuda for p in model.parameters())
-        if dtype != torch.float32 or not on_gpu:
+        if not on_gpu or dtype not in _NORM_DTYPES:
             self.norms.clear()
-            if self._swaps:
-                self._swaps = {}
-                self.notes.append(
-                    f"the decode steps of {found} keep transformers' torch reference "
-                    f"functions: graphed's fused state-space kernels take float32 on a GPU, "
-                    f"the model is {dtype} on {'the GPU' if on_gpu else 'the CPU'} (Note "
-                    f"[Fused state-space decode steps])")
-            return
+        if self._swaps and (dtype != torch.float32 or not on_gpu):
+            self._swaps = {}
+            self.notes.append(
+                f"the decode steps of {found} keep transformers' torch reference "
+                f"functions: graphed's fused state-space kernels take float32 on a GPU, "
+                f"the model is {dtype} on {'the GPU' if on_gpu else 'the CPU'} (Note "
+                f"[Fused state-space decode steps])")
         if self._swaps:
             self.notes.append(
                 f"the decode steps of {found} run graphed's fused selective state update and "
@@ -169,8 +170,8 @@ class FusedDecodeKernels:
         if self.norms:
             self.notes.append(
                 f"the RMSNorms of the decode steps ({self.norms.describe()}) run graphed's "
-                f"rms_norm, 3 kernels in place of 6 (7 with Gemma's 1 + weight, 8 gated), "
-                f"bitwise their forwards (Note [RMSNorm in every decode step])")
+                f"rms_norm, 3 kernels in place of 6 to 10 ({dtype}), bitwise their "
+                f"forwards (Note [RMSNorm in every decode step])")
 
     @property
     def applies(self):

@@ -71,18 +71,21 @@ void register_state_space(py::module_& m) {
   m.def(
       "try_rms_norm",
       [](const at::Tensor& hidden, const std::optional<at::Tensor>& gate,
-         const at::Tensor& weight, double eps, bool weight_plus_one) -> py::object {
+         const at::Tensor& weight, double eps, bool weight_plus_one,
+         bool round_before_weight) -> py::object {
         const at::Tensor g = or_undefined(gate);
         if (rms_norm_refusal(hidden, g, weight)) {
           return py::none();
         }
-        return py::cast(rms_norm(hidden, g, weight, eps, weight_plus_one));
+        return py::cast(rms_norm(hidden, g, weight, eps, weight_plus_one, round_before_weight));
       },
       py::arg("hidden"), py::arg("gate"), py::arg("weight"), py::arg("eps"),
-      py::arg("weight_plus_one") = false,
-      "transformers' float32 RMSNorm forward (gated when gate is given; scaled by 1 + weight, "
-      "as Gemma's, with weight_plus_one) in three kernels, bitwise its result; None (nothing "
-      "run) for arguments the fused kernels do not take.");
+      py::arg("weight_plus_one") = false, py::arg("round_before_weight") = true,
+      "transformers' RMSNorm forward in float32, bfloat16 or float16 (gated when gate is given; "
+      "scaled by 1 + weight, as Gemma's, with weight_plus_one; Llama's weight * "
+      "h.to(input_dtype) with round_before_weight, else the product in float32, then the cast) "
+      "in three kernels, bitwise its result; None (nothing run) for arguments the fused "
+      "kernels do not take.");
   m.def(
       "rms_norm_refusal",
       [](const at::Tensor& hidden, const std::optional<at::Tensor>& gate,

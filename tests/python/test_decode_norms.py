@@ -19,7 +19,8 @@ pytest.importorskip("transformers")
 NORMS = [("mamba2", "Mamba2RMSNorm", "rms_norm"), ("mamba2", "MambaRMSNormGated", "rms_norm_gated"),
          ("llama", "LlamaRMSNorm", "rms_norm"), ("bamba", "BambaRMSNorm", "rms_norm"),
          ("mistral", "MistralRMSNorm", "rms_norm"), ("qwen3_moe", "Qwen3MoeRMSNorm", "rms_norm"),
-         ("gpt_oss", "GptOssRMSNorm", "rms_norm"), ("olmo2", "Olmo2RMSNorm", "rms_norm"),
+         ("gpt_oss", "GptOssRMSNorm", "rms_norm_cast_last"),
+         ("olmo2", "Olmo2RMSNorm", "rms_norm_cast_last"),
          ("gemma", "GemmaRMSNorm", "rms_norm_plus_one"),
          ("gemma2", "Gemma2RMSNorm", "rms_norm_plus_one"),
          ("gemma3", "Gemma3RMSNorm", "rms_norm_plus_one")]

@@ -349,6 +349,8 @@ def test_graphs_serve_a_bf16_mixture_of_experts():
     alone = graphed.generate_batch(model, prompts, max_new_tokens=budgets, max_batch=1,
                                    eos_token_id=None, max_len=40)
     assert alone == want
+    serving = model.__dict__["_graphed_serving"]
+    assert set(serving._adapter.fused.verdicts.values()) == {True}, serving.notes
     paired = graphed.generate_batch(model, prompts, max_new_tokens=budgets, max_batch=2,
                                     eos_token_id=None, max_len=40)
     equal = sum(a == b for x, y in zip(paired, want) for a, b in zip(x, y))

@@ -54,6 +54,10 @@ def test_bf16_experts_models_with_sliding_or_state_space_layers_decode_with_hf_t
     want = hf_static_generate(model, ids, mask, 24, max_cache_len=40)
     got = graphed.generate(model, ids, attention_mask=mask, max_new_tokens=24, max_cache_len=40)
     assert torch.equal(got, want)
+    # Note [RMSNorm in every decode step]: in bfloat16 too, checked to the bit.
+    notes = model.__dict__["_graphed_decoder"].notes
+    assert any("run graphed's rms_norm" in note and "bfloat16" in note for note in notes), notes
+    assert not any("differed" in note for note in notes), notes
 
 
 def test_fp32_experts_decode_on_graphed_grouped_gemm_and_say_so():
