@@ -225,10 +225,9 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& gate, const at::
     // same tensor in the same order.
     squares = at::empty_like(hidden, hidden.options().dtype(at::kFloat));
     const auto squares_row_stride = row_stride(squares);
-    GRAPHED_CHECK(squares_row_stride,
-                  "Expected the float32 squares of ", describe(hidden), " with one row stride, ",
-                  "got strides ", squares.strides(), "; this is a bug in graphed, please report "
-                  "it.");
+    // empty_like keeps a dense input's strides and makes others contiguous.
+    GRAPHED_INTERNAL_ASSERT(squares_row_stride, "the float32 squares of ", describe(hidden),
+                            " have one row stride (strides ", squares.strides(), ")");
     device::RmsNormSquares q;
     q.hidden = hidden.data_ptr();
     q.hidden_row_stride = normed_row_stride;
