@@ -64,6 +64,8 @@ def _short_note(note: str) -> str:
         return "experts on graphed's grouped GEMM"
     if "run graphed's rms_norm" in note:
         return "RMSNorms in 3 kernels (bitwise)"
+    if "run graphed's rotary_embedding" in note:
+        return "rotary in 1 kernel (bitwise)"
     return note[:60]
 
 

@@ -1,7 +1,9 @@
-// graphed._C: the fused decode-step kernels of Mamba2-family layers and their
-// RMSNorms (python/graphed/_state_space_kernels.py). Conversion only.
+// graphed._C: the fused decode-step kernels of Mamba2-family layers, of
+// RMSNorms (python/graphed/_state_space_kernels.py, _decode_norms.py) and of
+// the rotary embedding (_decode_rotary.py). Conversion only.
 
 #include "graphed/rms_norm_ops.h"
+#include "graphed/rotary_ops.h"
 #include "graphed/state_space_ops.h"
 #include "registration.h"
 
@@ -92,6 +94,20 @@ void register_state_space(py::module_& m) {
          const at::Tensor& weight) { return rms_norm_refusal(hidden, or_undefined(gate), weight); },
       py::arg("hidden"), py::arg("gate"), py::arg("weight"),
       "Why try_rms_norm would return None for these arguments, or None.");
+  m.def(
+      "try_rotary_embedding",
+      [](const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) -> py::object {
+        if (rotary_embedding_refusal(x, cos, sin)) {
+          return py::none();
+        }
+        return py::cast(rotary_embedding(x, cos, sin));
+      },
+      py::arg("x"), py::arg("cos"), py::arg("sin"),
+      "transformers' apply_rotary_pos_emb for one tensor, (x * cos.unsqueeze(1)) + "
+      "(rotate_half(x) * sin.unsqueeze(1)), in one kernel, bitwise its result; None (nothing "
+      "run) for arguments the kernel does not take.");
+  m.def("rotary_embedding_refusal", &rotary_embedding_refusal, py::arg("x"), py::arg("cos"),
+        py::arg("sin"), "Why try_rotary_embedding would return None for these arguments, or None.");
 }
 
 }  // namespace graphed::python

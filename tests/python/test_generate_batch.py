@@ -315,7 +315,8 @@ def test_graphs_give_every_request_its_tokens_alone(arch):
     assert all(r["captured"] for r in serving.memory_report() if r["kind"] == "decode")
     # The served steps run graphed's RMSNorm as generate's do, checked to the bit.
     assert any("run graphed's rms_norm" in note for note in serving.notes), serving.notes
-    assert serving._adapter.fused.verdicts == {"rms_norm": True}, serving.notes
+    assert serving._adapter.fused.verdicts == {"rms_norm": True, "apply_rotary_pos_emb": True}, \
+        serving.notes
 
 
 @pytest.mark.gpu

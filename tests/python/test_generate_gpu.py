@@ -39,6 +39,8 @@ def test_greedy_tokens_equal_hf_static_cache(arch, batch):
     # Note [RMSNorm in every decode step]: every RMSNorm model (GPT-2 has
     # LayerNorms), checked to the bit on its first call (no "differed").
     assert any("run graphed's rms_norm" in note for note in notes) == (arch != "gpt2"), notes
+    # Note [Rotary embedding in one kernel]: every model here but GPT-2 (learned positions).
+    assert any("rotary_embedding" in note for note in notes) == (arch != "gpt2"), notes
     assert not any("differed" in note for note in notes), notes
     fused = decoder._adapter[0].fused
     assert (fused is not None and set(fused.verdicts.values()) == {True}) == (arch != "gpt2")
