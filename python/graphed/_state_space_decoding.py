@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from . import _C
-from ._state_space_kernels import FusedDecodeKernels
+from ._decode_kernels import FusedDecodeKernels
 
 
 def is_state_layer(layer):

@@ -2,19 +2,13 @@
 reference functions for Mamba2-family layers (Mamba2, Bamba, granite-moe-hybrid,
 Zamba2, NemotronH, Falcon-H1), while a decoder's adapter runs a step eagerly:
 its warm-ups and the capture, so that the decode graphs record the fused
-kernels (Note [Fused state-space decode steps] in src/state_space_ops.cpp).
-The RMSNorm modules of every float32 model run graphed's three-kernel RMSNorm
-in the same steps (Note [RMSNorm in every decode step] in _decode_norms.py).
-Arguments the kernels do not take run transformers' function."""
-
-import contextlib
-import inspect
+kernels (Note [Fused state-space decode steps] in src/state_space_ops.cpp);
+_decode_kernels.FusedDecodeKernels swaps them in. Arguments the kernels do
+not take run transformers' function."""
 
 import torch
 
 from . import _C
-from ._decode_norms import DecodeNorms
-from ._decode_rotary import NAME as ROTARY, DecodeRotary
 
 _SELECTIVE = "mamba2_selective_state_update"
 _CONV = "causal_conv1d_update"
@@ -113,130 +107,3 @@ def _fused_conv1d_update(transformers_function, verdicts, on_mismatch):
 
 
 _FUSED = {_SELECTIVE: _fused_selective_state_update, _CONV: _fused_conv1d_update}
-
-_NOTE_OF = {kind: "RMSNorm in every decode step"
-            for kind in ("rms_norm", "rms_norm_cast_last", "rms_norm_gated", "rms_norm_plus_one")}
-_NOTE_OF[ROTARY] = "Rotary embedding in one kernel"
-# The dtypes graphed's rms_norm takes (src/rms_norm_ops.cpp).
-_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class FusedDecodeKernels:
-    """graphed's kernels in a decode step on a GPU, while active() is entered:
-    in place of transformers' reference state update and convolution update
-    for the modules whose forward calls them (float32), of the forwards of its
-    RMSNorm modules (Note [RMSNorm in every decode step]) and of its
-    apply_rotary_pos_emb (Note [Rotary embedding in one kernel]; both in
-    float32, bfloat16 or float16), each checked against transformers' on its
-    first call. `notes` (the list given, else a
-    new one) says what was found, whether it applies, and any kernel whose
-    check failed; `applies` whether anything runs fused."""
-
-    def __init__(self, model, notes=None):
-        self.notes = [] if notes is None else notes
-        # Per function name: None unchecked, True equal to transformers' to the
-        # bit on its first call, False not (transformers' function from then on).
-        self.verdicts = {}
-        # (id of the forward's globals, function name) -> (those globals, fused function)
-        self._swaps = {}
-        self.norms = DecodeNorms(model, self._check_norm)
-        self.rotary = DecodeRotary(model, self._check_pair)
-        layers = {}
-        for module in model.modules():
-            # The forward as written (transformers decorates Mamba2Mixer's), whose
-            # globals are the modeling module's, where it looks the functions up.
-            forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
-            names = getattr(getattr(forward, "__code__", None), "co_names", ())
-            namespace = getattr(forward, "__globals__", {})
-            for name, fuse in _FUSED.items():
-                original = namespace.get(name)
-                if name in names and torch_reference(original) is not None:
-                    self._swaps.setdefault((id(namespace), name), (
-                        namespace, fuse(original, self.verdicts, self._mismatch)))
-                    layers.setdefault(type(module).__name__, set()).add(id(module))
-        found = ", ".join(f"{len(ids)} {kind}" for kind, ids in sorted(layers.items()))
-        dtype = getattr(model, "dtype", None)
-        on_gpu = any(p.is_cuda for p in model.parameters())
-        if not on_gpu or dtype not in _NORM_DTYPES:
-            self.norms.clear()
-            self.rotary.clear()
-        if self._swaps and (dtype != torch.float32 or not on_gpu):
-            self._swaps = {}
-            self.notes.append(
-                f"the decode steps of {found} keep transformers' torch reference "
-                f"functions: graphed's fused state-space kernels take float32 on a GPU, "
-                f"the model is {dtype} on {'the GPU' if on_gpu else 'the CPU'} (Note "
-                f"[Fused state-space decode steps])")
-        if self._swaps:
-            self.notes.append(
-                f"the decode steps of {found} run graphed's fused selective state update and "
-                f"convolution update (3 and 1 kernels) in place of transformers' torch "
-                f"reference functions (14 and 4), bitwise their results (Note [Fused "
-                f"state-space decode steps])")
-        if self.norms:
-            self.notes.append(
-                f"the RMSNorms of the decode steps ({self.norms.describe()}) run graphed's "
-                f"rms_norm, 3 kernels in place of 6 to 10 ({dtype}), bitwise their "
-                f"forwards (Note [RMSNorm in every decode step])")
-        if self.rotary:
-            self.notes.append(
-                f"the rotary embeddings of the decode steps ({self.rotary.describe()}) run "
-                f"graphed's rotary_embedding, 1 kernel per query and key tensor in place of 5, "
-                f"bitwise transformers' apply_rotary_pos_emb (Note [Rotary embedding in one "
-                f"kernel])")
-
-    @property
-    def applies(self):
-        """Whether any kernel of the step runs graphed's."""
-        return bool(self._swaps) or bool(self.norms) or bool(self.rotary)
-
-    def _check_norm(self, name, fused, reference, hidden):
-        if self.verdicts.get(name) is False:
-            return None
-        return _checked(name, self.verdicts, self._mismatch, fused, reference, hidden,
-                        mutates=False)
-
-    def _check_pair(self, name, fused, reference):
-        """``fused()`` (a tuple of tensors, or None when the kernel does not take
-        the arguments), its first run outside a capture compared with
-        ``reference()`` to the bit as _checked compares one tensor; None when
-        the reference is to run instead."""
-        verdict = self.verdicts.get(name)
-        if verdict is False:
-            return None
-        if verdict is None and torch.cuda.is_available() and \
-                torch.cuda.is_current_stream_capturing():
-            return None  # unchecked: the capture records transformers' function
-        out = fused()
-        if out is None or verdict is True:
-            return out
-        want = reference()
-        if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, want)):
-            self.verdicts[name] = True
-            return out
-        self.verdicts[name] = False
-        self._mismatch(name, max(
-            (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
-            for a, b in zip(out, want)))
-        return want
-
-    def _mismatch(self, name, difference):
-        self.notes.append(
-            f"graphed's fused {name} differed from transformers' on its first call (largest "
-            f"difference {difference:.3g}), so the decode steps keep transformers' function for "
-            f"it (Note [{_NOTE_OF.get(name, 'Fused state-space decode steps')}])")
-
-    @contextlib.contextmanager
-    def active(self):
-        """transformers' functions and RMSNorm forwards replaced by graphed's
-        inside the block, restored after it (whatever the block raises)."""
-        saved = []
-        try:
-            for (_, name), (namespace, fused) in self._swaps.items():
-                saved.append((namespace, name, namespace[name]))
-                namespace[name] = fused
-            with self.norms.active(), self.rotary.active():
-                yield
-        finally:
-            for namespace, name, original in reversed(saved):
-                namespace[name] = original

@@ -21,7 +21,7 @@ from ._compiled import torch_compile_options
 from ._experts import capturable_experts
 from ._progress import Progress
 from ._state_space_decoding import is_state_layer, mark_previous_state, state_view
-from ._state_space_kernels import FusedDecodeKernels
+from ._decode_kernels import FusedDecodeKernels
 
 logger = logging.getLogger(__name__)
 

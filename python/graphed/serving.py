@@ -19,7 +19,7 @@ from ._autocast_cache import convert_states_to_cache_dtype
 from . import _C
 from ._experts import capturable_experts
 from ._state_space_decoding import StateSpaceModel, is_state_layer, mark_previous_state
-from ._state_space_kernels import FusedDecodeKernels
+from ._decode_kernels import FusedDecodeKernels
 from .generate import (_call_step, _check_model, _compile_options, _input_vocabulary,
                        _install_prefill_mask_rule, _is_state_space, _sampling_key, _settings,
                        _unroll_sliding_windows)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphed._decode_norms import DecodeNorms, rms_norm_kind
-from graphed._state_space_kernels import FusedDecodeKernels
+from graphed._decode_kernels import FusedDecodeKernels
 
 pytest.importorskip("transformers")
 

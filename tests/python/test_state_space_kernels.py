@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from graphed import _C
-from graphed._state_space_kernels import FusedDecodeKernels, torch_reference
+from graphed._decode_kernels import FusedDecodeKernels
+from graphed._state_space_kernels import torch_reference
 
 FAMILIES = ["mamba2", "bamba", "granitemoehybrid", "zamba2", "nemotron_h", "falcon_h1"]
 
