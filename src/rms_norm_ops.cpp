@@ -41,6 +41,8 @@
 
 #include "graphed/check.h"
 
+#include "device_float_type.h"
+
 #include "device/rms_norm_kernels.h"
 
 #include <ATen/ATen.h>
@@ -112,19 +114,6 @@ std::optional<std::string> layout_refusal(const char* name, const at::Tensor& t)
   return std::nullopt;
 }
 
-std::optional<device::RmsNormType> element_type(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return device::RmsNormType::kFloat32;
-    case at::kBFloat16:
-      return device::RmsNormType::kBFloat16;
-    case at::kHalf:
-      return device::RmsNormType::kFloat16;
-    default:
-      return std::nullopt;
-  }
-}
-
 cudaStream_t stream_of(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
@@ -141,7 +130,7 @@ std::optional<std::string> rms_norm_refusal(const at::Tensor& hidden, const at::
     return c10::str("Expected ", kFunction, "'s hidden states with at least one dimension and ",
                     "one element, got ", describe(hidden), "; transformers' forward runs.");
   }
-  if (!element_type(hidden.scalar_type())) {
+  if (!float_type_of(hidden.scalar_type())) {
     return c10::str("Expected ", kFunction, "'s hidden states in float32, bfloat16 or float16, ",
                     "got ", describe(hidden), "; other dtypes keep transformers' forward.");
   }
@@ -189,14 +178,14 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& gate, const at::
   GRAPHED_CHECK(!why, *why);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const cudaStream_t stream = stream_of(hidden);
-  const device::RmsNormType type = *element_type(hidden.scalar_type());
+  const device::FloatType type = *float_type_of(hidden.scalar_type());
   const int64_t cols = hidden.size(-1);
   const int64_t rows = hidden.numel() / cols;
 
   // What the root scales: the input, or the gated product in float32.
   const void* normed = hidden.data_ptr();
   int64_t normed_row_stride = *row_stride(hidden);
-  bool normed_is_float32 = type == device::RmsNormType::kFloat32;
+  bool normed_is_float32 = type == device::FloatType::kFloat32;
   at::Tensor gated;
   at::Tensor squares;
   if (gate.defined()) {
@@ -217,7 +206,7 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& gate, const at::
     normed = gated.data_ptr();
     normed_row_stride = cols;
     normed_is_float32 = true;
-  } else if (type == device::RmsNormType::kFloat32) {
+  } else if (type == device::FloatType::kFloat32) {
     squares = at::pow(hidden, 2);
   } else {
     // The reference squares hidden.to(float32), whose layout empty_like

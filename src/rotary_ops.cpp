@@ -23,6 +23,8 @@
 
 #include "graphed/check.h"
 
+#include "device_float_type.h"
+
 #include "device/rotary_kernels.h"
 
 #include <ATen/ATen.h>
@@ -37,19 +39,6 @@ constexpr const char* kFunction = "rotary_embedding";
 
 std::string describe(const at::Tensor& t) {
   return t.defined() ? c10::str(t.scalar_type(), " ", t.sizes(), " on ", t.device()) : "none";
-}
-
-std::optional<device::RotaryType> element_type(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return device::RotaryType::kFloat32;
-    case at::kBFloat16:
-      return device::RotaryType::kBFloat16;
-    case at::kHalf:
-      return device::RotaryType::kFloat16;
-    default:
-      return std::nullopt;
-  }
 }
 
 bool last_dim_contiguous(const at::Tensor& t) {
@@ -69,7 +58,7 @@ std::optional<std::string> rotary_embedding_refusal(const at::Tensor& x, const a
     return c10::str("Expected ", kFunction, "'s states, cosines and sines to be tensors, got ",
                     describe(x), ", ", describe(cos), " and ", describe(sin), ".");
   }
-  if (!element_type(x.scalar_type())) {
+  if (!float_type_of(x.scalar_type())) {
     return c10::str("Expected ", kFunction, "'s states in float32, bfloat16 or float16, got ",
                     describe(x), "; other dtypes keep transformers' function.");
   }
@@ -142,7 +131,7 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
     a.cos_strides[d] = stride_or_broadcast(cos, d);
     a.sin_strides[d] = stride_or_broadcast(sin, d);
   }
-  a.type = *element_type(x.scalar_type());
+  a.type = *float_type_of(x.scalar_type());
   a.batch = x.size(0);
   a.heads = x.size(1);
   a.seq = x.size(2);

@@ -39,8 +39,8 @@ class FusedDecodeKernels:
         self.verdicts = {}
         # (id of the forward's globals, function name) -> (those globals, fused function)
         self._swaps = {}
-        self.norms = DecodeNorms(model, self._check_norm)
-        self.rotary = DecodeRotary(model, self._check_pair)
+        self.norms = DecodeNorms(model, self._check)
+        self.rotary = DecodeRotary(model, self._check)
         layers = {}
         for module in model.modules():
             # The forward as written (transformers decorates Mamba2Mixer's), whose
@@ -90,35 +90,14 @@ class FusedDecodeKernels:
         """Whether any kernel of the step runs graphed's."""
         return bool(self._swaps) or bool(self.norms) or bool(self.rotary)
 
-    def _check_norm(self, name, fused, reference, hidden):
+    def _check(self, name, fused, reference, state):
+        """One call of a norm or rotary kernel through _checked (``state``: an
+        input, neither written nor compared); None when transformers' function
+        is to run instead."""
         if self.verdicts.get(name) is False:
             return None
-        return _checked(name, self.verdicts, self._mismatch, fused, reference, hidden,
+        return _checked(name, self.verdicts, self._mismatch, fused, reference, state,
                         mutates=False)
-
-    def _check_pair(self, name, fused, reference):
-        """``fused()`` (a tuple of tensors, or None when the kernel does not take
-        the arguments), its first run outside a capture compared with
-        ``reference()`` to the bit as _checked compares one tensor; None when
-        the reference is to run instead."""
-        verdict = self.verdicts.get(name)
-        if verdict is False:
-            return None
-        if verdict is None and torch.cuda.is_available() and \
-                torch.cuda.is_current_stream_capturing():
-            return None  # unchecked: the capture records transformers' function
-        out = fused()
-        if out is None or verdict is True:
-            return out
-        want = reference()
-        if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, want)):
-            self.verdicts[name] = True
-            return out
-        self.verdicts[name] = False
-        self._mismatch(name, max(
-            (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
-            for a, b in zip(out, want)))
-        return want
 
     def _mismatch(self, name, difference):
         self.notes.append(

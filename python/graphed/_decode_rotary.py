@@ -75,12 +75,12 @@ def is_transformers_rotary(namespace) -> bool:
 
 def _fused_apply(original: Callable, check: Callable) -> Callable:
     """apply_rotary_pos_emb computing each tensor with graphed's kernel, through
-    ``check(name, fused, reference)`` (the first call compared with
+    ``check(name, fused, reference, q)`` (the first call compared with
     ``original`` to the bit)."""
     signature = inspect.signature(inspect.unwrap(original))
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        def reference():
+        def reference(_=None):
             return original(q, k, cos, sin, *args, **kwargs)
 
         try:
@@ -91,12 +91,12 @@ def _fused_apply(original: Callable, check: Callable) -> Callable:
         if unsqueeze_dim != 1 or not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
             return reference()
 
-        def fused():
+        def fused(_):
             rotated_q = _C.try_rotary_embedding(q, cos, sin)
             rotated_k = _C.try_rotary_embedding(k, cos, sin) if rotated_q is not None else None
             return None if rotated_k is None else (rotated_q, rotated_k)
 
-        out = check(NAME, fused, reference)
+        out = check(NAME, fused, reference, q)
         return reference() if out is None else out
 
     return apply_rotary_pos_emb
@@ -105,8 +105,8 @@ def _fused_apply(original: Callable, check: Callable) -> Callable:
 class DecodeRotary:
     """The modeling modules of ``model``'s attention layers whose
     apply_rotary_pos_emb graphed's kernel reproduces; while active() is
-    entered, their globals hold graphed's. ``check(name, fused, reference)``
-    runs one call (see FusedDecodeKernels._check_pair)."""
+    entered, their globals hold graphed's. ``check(name, fused, reference,
+    state)`` runs one call (FusedDecodeKernels._check)."""
 
     def __init__(self, model, check: Callable):
         # (id of the globals) -> (those globals, the fused function)

@@ -44,7 +44,8 @@ def _checked(name, verdicts, on_mismatch, fused, reference, state, mutates=True)
     ``verdicts[name]`` is False. None when the fused kernel does not take the
     arguments (nothing ran), or when it is unchecked and a capture is running.
     With ``mutates`` False neither function writes ``state`` (an input only
-    telling the device), so it is neither copied nor compared."""
+    telling the device), so it is neither copied nor compared. The results
+    are tensors or tuples of tensors (the rotary embedding's q and k)."""
     if verdicts.get(name) is True:
         return fused(state)
     if state.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -54,12 +55,14 @@ def _checked(name, verdicts, on_mismatch, fused, reference, state, mutates=True)
     if out is None:
         return None
     want = reference(reference_state)
-    if torch.equal(out, want) and (not mutates or torch.equal(state, reference_state)):
+    pairs = list(zip(out, want)) if isinstance(out, tuple) else [(out, want)]
+    if all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs) and \
+            (not mutates or torch.equal(state, reference_state)):
         verdicts[name] = True
         return out
     verdicts[name] = False
-    difference = (out.double() - want.double()).abs().max().item() if \
-        out.shape == want.shape else float("inf")
+    difference = max((a.double() - b.double()).abs().max().item() if a.shape == b.shape
+                     else float("inf") for a, b in pairs)
     if mutates:
         difference = max(difference,
                          (state.double() - reference_state.double()).abs().max().item())

@@ -4,6 +4,8 @@
 
 #pragma once
 
+#include "float_type.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -39,6 +41,26 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) 
 template <>
 __device__ __forceinline__ __half from_float<__half>(float value) {
   return __float2half_rn(value);
+}
+
+/// Calls `launch(T{})` with T the C++ type of `type` (float, __nv_bfloat16,
+/// __half) and returns the launch's status (cudaGetLastError()).
+template <typename Launch>
+cudaError_t dispatch_float_type(FloatType type, Launch&& launch) {
+  switch (type) {
+    case FloatType::kFloat32:
+      launch(float{});
+      break;
+    case FloatType::kBFloat16:
+      launch(__nv_bfloat16{});
+      break;
+    case FloatType::kFloat16:
+      launch(__half{});
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace graphed::device

@@ -74,16 +74,6 @@ __global__ void rms_norm_scale_kernel(RmsNormScale s) {
   }
 }
 
-template <typename T>
-cudaError_t launch_typed(const RmsNormScale& scale, cudaStream_t stream, unsigned int blocks) {
-  if (scale.hidden_is_float32) {
-    rms_norm_scale_kernel<float, T><<<blocks, kThreads, 0, stream>>>(scale);
-  } else {
-    rms_norm_scale_kernel<T, T><<<blocks, kThreads, 0, stream>>>(scale);
-  }
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t launch_rms_norm_gate(const RmsNormGate& gate, cudaStream_t stream) {
@@ -91,19 +81,10 @@ cudaError_t launch_rms_norm_gate(const RmsNormGate& gate, cudaStream_t stream) {
   if (total == 0) {
     return cudaSuccess;
   }
-  const unsigned int blocks = elementwise_blocks(total);
-  switch (gate.type) {
-    case RmsNormType::kFloat32:
-      rms_norm_gate_kernel<float><<<blocks, kThreads, 0, stream>>>(gate);
-      break;
-    case RmsNormType::kBFloat16:
-      rms_norm_gate_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(gate);
-      break;
-    case RmsNormType::kFloat16:
-      rms_norm_gate_kernel<__half><<<blocks, kThreads, 0, stream>>>(gate);
-      break;
-  }
-  return cudaGetLastError();
+  return dispatch_float_type(gate.type, [&](auto element) {
+    using T = decltype(element);
+    rms_norm_gate_kernel<T><<<elementwise_blocks(total), kThreads, 0, stream>>>(gate);
+  });
 }
 
 cudaError_t launch_rms_norm_squares(const RmsNormSquares& squares, cudaStream_t stream) {
@@ -111,19 +92,10 @@ cudaError_t launch_rms_norm_squares(const RmsNormSquares& squares, cudaStream_t 
   if (total == 0) {
     return cudaSuccess;
   }
-  const unsigned int blocks = elementwise_blocks(total);
-  switch (squares.type) {
-    case RmsNormType::kFloat32:
-      rms_norm_squares_kernel<float><<<blocks, kThreads, 0, stream>>>(squares);
-      break;
-    case RmsNormType::kBFloat16:
-      rms_norm_squares_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(squares);
-      break;
-    case RmsNormType::kFloat16:
-      rms_norm_squares_kernel<__half><<<blocks, kThreads, 0, stream>>>(squares);
-      break;
-  }
-  return cudaGetLastError();
+  return dispatch_float_type(squares.type, [&](auto element) {
+    using T = decltype(element);
+    rms_norm_squares_kernel<T><<<elementwise_blocks(total), kThreads, 0, stream>>>(squares);
+  });
 }
 
 cudaError_t launch_rms_norm_scale(const RmsNormScale& scale, cudaStream_t stream) {
@@ -131,16 +103,15 @@ cudaError_t launch_rms_norm_scale(const RmsNormScale& scale, cudaStream_t stream
   if (total == 0) {
     return cudaSuccess;
   }
-  const unsigned int blocks = elementwise_blocks(total);
-  switch (scale.type) {
-    case RmsNormType::kFloat32:
-      return launch_typed<float>(scale, stream, blocks);
-    case RmsNormType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(scale, stream, blocks);
-    case RmsNormType::kFloat16:
-      return launch_typed<__half>(scale, stream, blocks);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_float_type(scale.type, [&](auto element) {
+    using T = decltype(element);
+    // The gated product is read in float32, the input in its own type.
+    if (scale.hidden_is_float32) {
+      rms_norm_scale_kernel<float, T><<<elementwise_blocks(total), kThreads, 0, stream>>>(scale);
+    } else {
+      rms_norm_scale_kernel<T, T><<<elementwise_blocks(total), kThreads, 0, stream>>>(scale);
+    }
+  });
 }
 
 }  // namespace graphed::device

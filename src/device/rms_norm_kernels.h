@@ -10,14 +10,13 @@
 
 #pragma once
 
+#include "float_type.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
 namespace graphed::device {
-
-/// The element type of the hidden states, the gate, the weight and the result.
-enum class RmsNormType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 /// gated[r, c] = float(hidden[r, c]) * silu(float(gate[r, c])) and
 /// squares[r, c] = gated[r, c]^2, both float32 and contiguous.
@@ -26,7 +25,7 @@ struct RmsNormGate {
   int64_t hidden_row_stride = 0;
   const void* gate = nullptr;
   int64_t gate_row_stride = 0;
-  RmsNormType type = RmsNormType::kFloat32;
+  FloatType type = FloatType::kFloat32;  // hidden, gate, weight, result
   float* gated = nullptr;
   float* squares = nullptr;
   int64_t rows = 0;
@@ -38,7 +37,7 @@ struct RmsNormGate {
 struct RmsNormSquares {
   const void* hidden = nullptr;
   int64_t hidden_row_stride = 0;
-  RmsNormType type = RmsNormType::kBFloat16;
+  FloatType type = FloatType::kBFloat16;
   float* squares = nullptr;
   int64_t squares_row_stride = 0;
   int64_t rows = 0;
@@ -60,7 +59,7 @@ struct RmsNormScale {
   const float* variance = nullptr;
   const void* weight = nullptr;
   int64_t weight_stride = 1;
-  RmsNormType type = RmsNormType::kFloat32;
+  FloatType type = FloatType::kFloat32;  // hidden, gate, weight, result
   float eps = 0.0f;
   bool weight_plus_one = false;
   bool round_before_weight = true;

@@ -57,19 +57,10 @@ cudaError_t launch_rotary_apply(const RotaryApply& apply, cudaStream_t stream) {
   if (total == 0) {
     return cudaSuccess;
   }
-  const unsigned int blocks = elementwise_blocks(total);
-  switch (apply.type) {
-    case RotaryType::kFloat32:
-      rotary_apply_kernel<float><<<blocks, kThreads, 0, stream>>>(apply);
-      break;
-    case RotaryType::kBFloat16:
-      rotary_apply_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(apply);
-      break;
-    case RotaryType::kFloat16:
-      rotary_apply_kernel<__half><<<blocks, kThreads, 0, stream>>>(apply);
-      break;
-  }
-  return cudaGetLastError();
+  return dispatch_float_type(apply.type, [&](auto element) {
+    using T = decltype(element);
+    rotary_apply_kernel<T><<<elementwise_blocks(total), kThreads, 0, stream>>>(apply);
+  });
 }
 
 }  // namespace graphed::device

@@ -6,14 +6,13 @@
 
 #pragma once
 
+#include "float_type.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
 namespace graphed::device {
-
-/// The element type of the states, the cosines, the sines and the result.
-enum class RotaryType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 /// out[b, h, s, d] = x[b, h, s, d] * cos[b, s, d] + rotated[b, h, s, d] *
 /// sin[b, s, d], rotated = cat(-x[..., half:], x[..., :half]), each product
@@ -30,7 +29,7 @@ struct RotaryApply {
   int64_t sin_strides[2] = {0, 0};
   void* out = nullptr;
   int64_t out_strides[3] = {0, 0, 0};
-  RotaryType type = RotaryType::kFloat32;
+  FloatType type = FloatType::kFloat32;  // states, cosines, sines, result
   int64_t batch = 0;
   int64_t heads = 0;
   int64_t seq = 0;

@@ -76,9 +76,9 @@ def test_the_swap_is_undone_and_calls_the_kernel_does_not_take_run_transformers_
     original = modeling_llama.apply_rotary_pos_emb
     calls = []
 
-    def check(name, fused, reference):
+    def check(name, fused, reference, state):
         calls.append(name)
-        assert fused() is None  # on the CPU the kernel takes nothing
+        assert fused(state) is None  # on the CPU the kernel takes nothing
         return None
 
     rotary = DecodeRotary(_llama(), check)
