@@ -85,6 +85,13 @@ class FusedDecodeKernels:
                 f"bitwise transformers' apply_rotary_pos_emb (Note [Rotary embedding in one "
                 f"kernel])")
 
+    @classmethod
+    def for_eager_steps(cls, model, notes):
+        """The kernels for ``model``'s eager decode steps, or None where none
+        applies (the notes say why where there is a reason to)."""
+        fused = cls(model, notes)
+        return fused if fused.applies else None
+
     @property
     def applies(self):
         """Whether any kernel of the step runs graphed's."""

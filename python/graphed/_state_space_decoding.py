@@ -94,8 +94,8 @@ class StateSpaceModel:
         self._compiled_step = None
         # Note [Fused state-space decode steps]: eager steps (warm-ups, captures)
         # run graphed's kernels; a compiled step has Inductor's.
-        fused = FusedDecodeKernels(model, self.notes) if compile_options is None else None
-        self.fused = fused if fused is not None and fused.applies else None
+        self.fused = (FusedDecodeKernels.for_eager_steps(model, self.notes)
+                      if compile_options is None else None)
         if compile_options is not None:
             self._compiled_step = torch.compile(self._eager_step, **compile_options)
 
@@ -136,7 +136,4 @@ class StateSpaceModel:
         from .generate import _call_step
 
         mark_previous_state(self.cache, True)
-        if self.fused is None:
-            return _call_step(self._compiled_step, self._eager_step, args)
-        with self.fused.active():
-            return self._eager_step(*args)
+        return _call_step(self._compiled_step, self._eager_step, args, self.fused)

@@ -101,9 +101,13 @@ def _check_model(model):
 _RECOMPILE_LIMIT = 64
 
 
-def _call_step(compiled, eager, args):
+def _call_step(compiled, eager, args, fused=None):
     """One decode step, compiled when the decoder was asked to; every bucket and
-    decoder recompiles (Note [A compiled decode step])."""
+    decoder recompiles (Note [A compiled decode step]). An eager step runs
+    ``fused``'s kernels (a FusedDecodeKernels, or None)."""
+    if fused is not None:
+        with fused.active():
+            return eager(*args)
     if compiled is None:
         return eager(*args)
     with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
@@ -261,8 +265,7 @@ class _StaticCacheModel:
             # Note [RMSNorm in every decode step]; Note [Fused state-space
             # decode steps] for hybrids' Mamba layers. A compiled step has
             # Inductor's kernels.
-            fused = FusedDecodeKernels(model, self.notes)
-            self.fused = fused if fused.applies else None
+            self.fused = FusedDecodeKernels.for_eager_steps(model, self.notes)
 
     @property
     def model(self):
@@ -318,10 +321,7 @@ class _StaticCacheModel:
 
     def step(self, args):
         mark_previous_state(self.cache, True)
-        if self.fused is None:
-            return _call_step(self._compiled_step, self._eager_step, args)
-        with self.fused.active():
-            return self._eager_step(*args)
+        return _call_step(self._compiled_step, self._eager_step, args, self.fused)
 
 
 class _FromConfig:

@@ -143,8 +143,7 @@ class SlotCacheModel:
         if compile_options is None:
             # As in graphed.generate's steps: Note [RMSNorm in every decode step],
             # Note [Fused state-space decode steps]. A compiled step has Inductor's.
-            fused = FusedDecodeKernels(model, self.notes)
-            self.fused = fused if fused.applies else None
+            self.fused = FusedDecodeKernels.for_eager_steps(model, self.notes)
 
     @property
     def model(self):
@@ -215,10 +214,7 @@ class SlotCacheModel:
 
     def step(self, args):
         mark_previous_state(self.cache, True)
-        if self.fused is None:
-            return _call_step(self._compiled_step, self._eager_step, args)
-        with self.fused.active():
-            return self._eager_step(*args)
+        return _call_step(self._compiled_step, self._eager_step, args, self.fused)
 
 
 class SlotStateSpaceModel(StateSpaceModel):
