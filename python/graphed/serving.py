@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from ._attention_backends import attention_without_cudnn, served_attention_note
 from ._autocast_cache import convert_states_to_cache_dtype
 from . import _C
 from ._experts import capturable_experts
@@ -144,6 +145,7 @@ class SlotCacheModel:
             # As in graphed.generate's steps: Note [RMSNorm in every decode step],
             # Note [Fused state-space decode steps]. A compiled step has Inductor's.
             self.fused = FusedDecodeKernels.for_eager_steps(model, self.notes)
+        self.notes += served_attention_note(model)
 
     @property
     def model(self):
@@ -190,8 +192,10 @@ class SlotCacheModel:
         prefill_padding.padded = False  # Note [A capturable prefill]: no left padding
         mark_previous_state(self.cache, False)
         try:
-            return self._run(input_ids, self.slot_view(int(slot)), self.ones[:, :length],
-                             self.positions[:, :length], is_first_iteration=True)
+            # Note [Served attention without cuDNN's plans]: a new length each request.
+            with attention_without_cudnn():
+                return self._run(input_ids, self.slot_view(int(slot)), self.ones[:, :length],
+                                 self.positions[:, :length], is_first_iteration=True)
         finally:
             prefill_padding.padded = None
 
@@ -214,7 +218,9 @@ class SlotCacheModel:
 
     def step(self, args):
         mark_previous_state(self.cache, True)
-        return _call_step(self._compiled_step, self._eager_step, args, self.fused)
+        # The prefills' attention kernels (Note [Served attention without cuDNN's plans]).
+        with attention_without_cudnn():
+            return _call_step(self._compiled_step, self._eager_step, args, self.fused)
 
 
 class SlotStateSpaceModel(StateSpaceModel):

@@ -344,7 +344,11 @@ def test_graphs_serve_a_bf16_mixture_of_experts():
     model = transformers.Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).eval()
     prompts = _prompts(6, 128, seed=17)
     budgets = [5, 9, 3, 12, 7, 4]
-    want = [_hf_alone(model, p, n, 40, eos_token_id=None) for p, n in zip(prompts, budgets)]
+    # The decoder's attention kernels (Note [Served attention without cuDNN's plans]).
+    from graphed._attention_backends import attention_without_cudnn
+
+    with attention_without_cudnn():
+        want = [_hf_alone(model, p, n, 40, eos_token_id=None) for p, n in zip(prompts, budgets)]
     # One slot: every request at batch 1, as alone (bf16 routing can flip between GEMM
     # shapes, so two slots are held to most tokens, not all).
     alone = graphed.generate_batch(model, prompts, max_new_tokens=budgets, max_batch=1,
@@ -352,6 +356,8 @@ def test_graphs_serve_a_bf16_mixture_of_experts():
     assert alone == want
     serving = model.__dict__["_graphed_serving"]
     assert set(serving._adapter.fused.verdicts.values()) == {True}, serving.notes
+    assert any("not cuDNN's" in note for note in serving.notes), serving.notes
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after every prefill and step
     paired = graphed.generate_batch(model, prompts, max_new_tokens=budgets, max_batch=2,
                                     eos_token_id=None, max_len=40)
     equal = sum(a == b for x, y in zip(paired, want) for a, b in zip(x, y))
