@@ -138,6 +138,13 @@ def _fraction(value: Any) -> str:
     return f"{value:.0%}" if isinstance(value, (int, float)) else "-"
 
 
+def _weights(label: Any) -> str:
+    """' (bf16)' and the like, from a model label that names its dtype."""
+    words = str(label or "").replace(",", " ").replace("(", " ").split()
+    found = [w for w in ("bf16", "fp16", "fp32") if w in words]
+    return f" ({found[0]})" if found else ""
+
+
 def serving_markdown(workload: Dict[str, Any]) -> List[str]:
     """bench/hf_serving.py's rows: tokens per second per path and model,
     graphed's speedup over transformers' fastest continuous batching, and the
@@ -145,8 +152,8 @@ def serving_markdown(workload: Dict[str, Any]) -> List[str]:
     batching (the fraction of requests where not all are), beside how often
     transformers' continuous batching equals its own static batch (near-tied
     logits that a batch's shape flips make that the most one can ask)."""
-    lines = [f"### hf_serving (tokens per second, higher is better; fp32 models with TF32 "
-             f"{'on' if workload.get('tf32') else 'off'})", "",
+    lines = [f"### hf_serving (tokens per second, higher is better; each model's weights in "
+             f"parentheses; float32 matmuls with TF32 {'on' if workload.get('tf32') else 'off'})", "",
              "| model | graphed (first pass) | HF generate_batch | "
              "HF generate_batch, CUDA graphs | HF static batch | x fastest HF generate_batch | "
              "same tokens (requests) | HF generate_batch = its static batch (requests) | "
@@ -161,7 +168,7 @@ def serving_markdown(workload: Dict[str, Any]) -> List[str]:
         same = row.get("same_tokens")
         if same is False:
             same = f"False ({_fraction(row.get('same_tokens_fraction'))})"
-        lines.append(f"| {name} | {row.get('graphed_tokens_per_s')} "
+        lines.append(f"| {name}{_weights(row.get('model'))} | {row.get('graphed_tokens_per_s')} "
                      f"({row.get('graphed_first_pass_tokens_per_s', '-')}) | "
                      f"{row.get('hf_generate_batch_tokens_per_s')} | {graphs} | "
                      f"{row.get('hf_generate_static_batch_tokens_per_s')} | "

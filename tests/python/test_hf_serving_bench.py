@@ -58,7 +58,8 @@ SERVING = {"tf32": True, "models": {
               "speedup_vs_fastest_hf_generate_batch": 10.0,
               "hf_generate_batch_vs_static_batch_fraction": 0.1875,
               "p50_ms_per_token": 1.0, "p99_ms_per_token": 2.0},
-    "qwen3_moe": {"graphed_tokens_per_s": 50.0, "graphed_first_pass_tokens_per_s": 20.0,
+    "qwen3_moe": {"model": "HF Qwen3-MoE 4 layers d512, 16 experts top-4, vocab 32000, bf16",
+                  "graphed_tokens_per_s": 50.0, "graphed_first_pass_tokens_per_s": 20.0,
                   "hf_generate_batch_tokens_per_s": 5.0,
                   "hf_generate_batch_cuda_graphs_tokens_per_s": 25.0,
                   "hf_generate_static_batch_tokens_per_s": 4.0, "same_tokens": False,
@@ -73,7 +74,7 @@ def test_the_markdown_table_and_the_opt_in_workload(bench):
     assert "TF32 on" in text
     assert ("| llama | 100.0 (90.0) | 10.0 | failed: RuntimeError: no graphs | 5.0 | 10.0 | "
             "True | 19% | 1.0 / 2.0 |") in text
-    assert ("| qwen3_moe | 50.0 (20.0) | 5.0 | 25.0 | 4.0 | 2.0 | False (33%) | 23% | "
+    assert ("| qwen3_moe (bf16) | 50.0 (20.0) | 5.0 | 25.0 | 4.0 | 2.0 | False (33%) | 23% | "
             "1.5 / 2.5 |") in text
     assert "| mamba | FAILED: boom |" in text
     sys.path.insert(0, os.path.join(ROOT, "bench"))
