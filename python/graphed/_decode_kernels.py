@@ -6,11 +6,10 @@ against transformers' on its first call, to the bit. graphed.generate's,
 graphed.Decoder's and the serving decoder's adapters hold one each."""
 
 import contextlib
-import inspect
 
 import torch
 
-from ._decode_norms import DecodeNorms
+from ._decode_norms import DecodeNorms, written_forward
 from ._decode_rotary import NAME as ROTARY, DecodeRotary
 from ._state_space_kernels import _FUSED, _checked, torch_reference
 
@@ -43,11 +42,8 @@ class FusedDecodeKernels:
         self.rotary = DecodeRotary(model, self._check)
         layers = {}
         for module in model.modules():
-            # The forward as written (transformers decorates Mamba2Mixer's), whose
-            # globals are the modeling module's, where it looks the functions up.
-            forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
-            names = getattr(getattr(forward, "__code__", None), "co_names", ())
-            namespace = getattr(forward, "__globals__", {})
+            # transformers decorates Mamba2Mixer's forward: the one as written.
+            names, namespace = written_forward(module)
             for name, fuse in _FUSED.items():
                 original = namespace.get(name)
                 if name in names and torch_reference(original) is not None:

@@ -37,6 +37,7 @@ gated MambaRMSNormGated."""
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import functools
 import inspect
@@ -211,6 +212,20 @@ def _fused_forward(module, form: _Form, check: Callable):
 _ABSENT = object()
 
 
+def describe_counts(counts: Dict[str, int]) -> str:
+    """'5 Mamba2RMSNorm, 4 MambaRMSNormGated': modules by class, sorted."""
+    return ", ".join(f"{count} {name}" for name, count in sorted(counts.items()))
+
+
+def written_forward(module) -> Tuple[tuple, dict]:
+    """The names the forward of ``module``'s class looks up and its globals (the
+    modeling module's, where it finds transformers' functions), from the forward
+    as written: decorators (transformers wraps some) unwrapped."""
+    forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
+    return (getattr(getattr(forward, "__code__", None), "co_names", ()),
+            getattr(forward, "__globals__", {}))
+
+
 class DecodeNorms:
     """The RMSNorm modules of ``model`` that graphed's rms_norm reproduces
     (Note [RMSNorm in every decode step]); while active() is entered, their
@@ -222,23 +237,22 @@ class DecodeNorms:
         self._check = check
         # Weak references: decoders hold their model.
         self._norms: List[Tuple[weakref.ref, _Form]] = []
-        self.counts: Dict[str, int] = {}
+        self.counts: Dict[str, int] = collections.Counter()
         for module in model.modules():
             form = _form(module)
             if form is not None:
                 self._norms.append((weakref.ref(module), form))
-                name = type(module).__name__
-                self.counts[name] = self.counts.get(name, 0) + 1
+                self.counts[type(module).__name__] += 1
 
     def __bool__(self):
         return bool(self._norms)
 
     def describe(self) -> str:
         """'5 Mamba2RMSNorm, 4 MambaRMSNormGated': the modules taken, by class."""
-        return ", ".join(f"{count} {name}" for name, count in sorted(self.counts.items()))
+        return describe_counts(self.counts)
 
     def clear(self):
-        self._norms, self.counts = [], {}
+        self._norms, self.counts = [], collections.Counter()
 
     @contextlib.contextmanager
     def active(self):

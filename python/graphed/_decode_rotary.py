@@ -17,6 +17,7 @@ runs transformers' function."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 from typing import Callable, Dict, List, Tuple
@@ -24,7 +25,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from . import _C
-from ._decode_norms import _function_shape
+from ._decode_norms import _function_shape, describe_counts, written_forward
 
 NAME = "apply_rotary_pos_emb"
 
@@ -111,33 +112,29 @@ class DecodeRotary:
     def __init__(self, model, check: Callable):
         # (id of the globals) -> (those globals, the fused function)
         self._swaps: Dict[int, Tuple[dict, Callable]] = {}
-        self.counts: Dict[str, int] = {}
+        self.counts: Dict[str, int] = collections.Counter()
         # A model configured without rotary positions (granite-moe-hybrid's
         # position_embedding_type=None) has attention layers that would call it
         # but no rotary module to feed them: nothing to swap.
         if not any(type(m).__name__.endswith("RotaryEmbedding") for m in model.modules()):
             return
         for module in model.modules():
-            forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
-            if NAME not in getattr(getattr(forward, "__code__", None), "co_names", ()):
-                continue
-            namespace = getattr(forward, "__globals__", {})
-            if not is_transformers_rotary(namespace):
+            names, namespace = written_forward(module)
+            if NAME not in names or not is_transformers_rotary(namespace):
                 continue
             self._swaps.setdefault(id(namespace), (namespace, _fused_apply(namespace[NAME],
                                                                            check)))
-            name = type(module).__name__
-            self.counts[name] = self.counts.get(name, 0) + 1
+            self.counts[type(module).__name__] += 1
 
     def __bool__(self):
         return bool(self._swaps)
 
     def describe(self) -> str:
         """'4 LlamaAttention': the layers whose rotation runs graphed's kernel."""
-        return ", ".join(f"{count} {name}" for name, count in sorted(self.counts.items()))
+        return describe_counts(self.counts)
 
     def clear(self):
-        self._swaps, self.counts = {}, {}
+        self._swaps, self.counts = {}, collections.Counter()
 
     @contextlib.contextmanager
     def active(self):
